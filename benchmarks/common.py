@@ -1,0 +1,89 @@
+"""Shared measuring helpers of the benchmark scripts: repeat, summarise, write JSON.
+
+Every workload warms up once, repeats, and reports the median with min and max. Ratios are
+taken against a floor measured in the same run; absolute times are never compared across
+runs or machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def measure(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Calls ``fn`` ``warmup`` times unmeasured, then ``repeats`` times; returns seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return summarise(times)
+
+
+def summarise(times: list[float]) -> dict[str, float]:
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "repeats": len(times),
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    """The hardware and versions a result was measured on."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    for name in ("transformers", "vllm"):
+        try:
+            module = __import__(name)
+            info[name] = getattr(module, "__version__", "?")
+        except Exception:  # noqa: BLE001 - absent or broken: recorded as missing
+            info[name] = None
+    return info
+
+
+def write_json(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """Writes ``payload`` plus machine info to ``out_dir/name.json`` and returns the path."""
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    payload = {"workload": name, "machine": machine_info(), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Prints ``rows`` as an aligned text table with the given columns."""
+    cells = [[_fmt(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)

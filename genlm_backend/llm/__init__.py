@@ -1,0 +1,33 @@
+"""Language-model backends behind one contract, :class:`AsyncLM`.
+
+Backends whose engines are optional (vLLM) are imported on first use, so importing this
+package never imports vllm.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .base import AsyncLM
+from .loading import load_model_by_name
+from .mock import MockAsyncLM
+
+if TYPE_CHECKING:
+    from .hf import AsyncTransformer
+    from .vllm import AsyncVirtualLM
+
+__all__ = ["AsyncLM", "AsyncVirtualLM", "AsyncTransformer", "MockAsyncLM", "load_model_by_name"]
+
+_LAZY = {"AsyncVirtualLM": ".vllm", "AsyncTransformer": ".hf"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,420 @@
+"""`AsyncLM`: the contract every backend implements, and everything backends share.
+
+A backend is a thin adapter: it says how big its output vocabulary is and how to evaluate
+one batch of log-probability requests (``_evaluate_logprobs``). This base class owns the
+rest: input validation, the batcher, the output cache, adapters (LoRA) bookkeeping, the
+sync twins, default sampling built on log-probabilities, and the lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .._sync import run_sync
+from ..batching import Batcher
+from ..cache import OutputCache
+from ..exceptions import ClosedError, InvalidRequestError
+from .validation import check_max_tokens, check_temperature, check_token_ids
+
+__all__ = ["AsyncLM", "LogprobsRequest"]
+
+
+class LogprobsRequest(NamedTuple):
+    """One distinct request handed to a backend: a prompt and the adapter to use."""
+
+    token_ids: tuple[int, ...]
+    lora_name: str | None
+
+
+class AsyncLM(ABC):
+    """A language model whose next-token log-probabilities are awaited and auto-batched.
+
+    Concurrent awaits of :meth:`next_token_logprobs` become one engine call (see
+    :mod:`genlm_backend.batching` for when a batch runs). Identical requests queued together
+    are evaluated once. Results are fp32 log-softmax rows over the model's whole output
+    vocabulary, on the device the backend computes on.
+
+    Args:
+        tokenizer: the Hugging Face tokenizer of the model.
+        batch_size: the most distinct requests evaluated in one engine call.
+        timeout: seconds after the first queued request before its batch runs at the latest.
+        cache_size: number of log-probability rows kept in the output cache (0: no cache).
+        cache_opts: extra keyword arguments of :class:`~genlm_backend.cache.OutputCache`.
+        flush: ``"idle"`` (default) also runs a batch as soon as the event loop has nothing
+            else ready to run; ``"timer"`` waits for ``timeout`` or a full batch only.
+
+    Attributes:
+        tokenizer: the Hugging Face tokenizer.
+        byte_vocab: list of :class:`~genlm_backend.tokenization.Token`, index = token id
+            (decoded on first use).
+        str_vocab: list of str, same indexing.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        batch_size: int = 20,
+        timeout: float = 0.02,
+        cache_size: int = 0,
+        cache_opts: dict | None = None,
+        flush: str = "idle",
+    ):
+        self.tokenizer = tokenizer
+        self._vocabs: tuple[list, list[str]] | None = None
+        self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
+        self.num_cache_hits = 0
+        self.batch_size = batch_size
+        self.timeout = timeout
+        # One engine thread for every batcher of this model: engine calls never overlap.
+        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"genlm-{type(self).__name__}"
+        )
+        self._logprobs_batcher = Batcher(
+            self._evaluate_logprobs,
+            max_batch_size=batch_size,
+            timeout=timeout,
+            flush=flush,
+            executor=self._engine_thread,
+            name=f"{type(self).__name__}.next_token_logprobs",
+        )
+        self._lora_paths: dict[str, str] = {}
+        self._lora_ids: dict[str, int] = {}
+        self.active_lora: str | None = None
+        self.is_closed = False
+
+    # ---- what a backend provides ------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """The model's output size V: the length of every log-probability row."""
+
+    @abstractmethod
+    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Sequence[Any]:
+        """Evaluates one batch of distinct requests on the engine thread.
+
+        Returns one fp32 log-probability row ``[V]`` per request, in order; an exception
+        instance in place of a row fails that request's callers only.
+        """
+
+    @property
+    def max_prompt_len(self) -> int | None:
+        """The longest prompt the model accepts (tokens), or None for no known limit."""
+        return None
+
+    def _load_lora(self, lora_name: str, lora_path: str) -> None:
+        """Makes an adapter usable by name; backends without adapters refuse."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def _unload_lora(self, lora_name: str) -> None:
+        """Releases an adapter loaded by :meth:`_load_lora`."""
+
+    def _close(self) -> None:
+        """Releases the engine; called once by :meth:`cleanup`."""
+
+    # ---- vocabularies -----------------------------------------------------------------
+
+    @property
+    def byte_vocab(self) -> list:
+        """The exact bytes of every token id (list of ``Token``), decoded on first use."""
+        return self._decoded_vocabs()[0]
+
+    @property
+    def str_vocab(self) -> list[str]:
+        """The text of every token id, same indexing as :attr:`byte_vocab`."""
+        return self._decoded_vocabs()[1]
+
+    def _decoded_vocabs(self) -> tuple[list, list[str]]:
+        if self._vocabs is None:
+            from ..tokenization import decode_vocab
+
+            self._vocabs = decode_vocab(self.tokenizer)
+        return self._vocabs
+
+    # ---- log-probabilities ------------------------------------------------------------
+
+    async def next_token_logprobs(self, token_ids: Any, lora_name: str | None = None) -> torch.Tensor:
+        """Log-probabilities of the next token after ``token_ids``; auto-batched.
+
+        Args:
+            token_ids: the prompt, a non-empty sequence of token ids in ``[0, V)``.
+            lora_name: the adapter for this call; None uses the active one (``set_lora``).
+
+        Returns:
+            A float32 tensor ``[V]`` of normalised log-probabilities, the caller's own copy.
+
+        Raises:
+            InvalidRequestError: empty prompt, id outside ``[0, V)``, prompt too long,
+                unknown adapter (a ``ValueError``).
+            InvalidRequestTypeError: token ids that are not integers (a ``TypeError``).
+            ClosedError: the model was cleaned up.
+            EngineError: the engine failed on this request's batch.
+        """
+        request = self._request(token_ids, lora_name)
+        return await self._logprobs(request, use_cache=True)
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Iterable[Any], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Log-probabilities for several prompts: a tensor ``[N, V]``, row i for prompt i.
+
+        Every prompt is validated before any is queued; the rows are batched with whatever
+        else is awaiting the model.
+        """
+        requests = self._requests(token_ids_list, lora_name)
+        rows = await asyncio.gather(*(self._logprobs(r, use_cache=True) for r in requests))
+        return torch.stack(rows)
+
+    def next_token_logprobs_sync(self, token_ids: Any, lora_name: str | None = None) -> torch.Tensor:
+        """Blocking :meth:`next_token_logprobs`; works in scripts and inside a running loop."""
+        request = self._request(token_ids, lora_name)
+        return run_sync(self._logprobs(request, use_cache=True))
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Iterable[Any], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Blocking batch of log-probabilities ``[N, V]``; bypasses the output cache."""
+        requests = self._requests(token_ids_list, lora_name)
+
+        async def gather() -> list[torch.Tensor]:
+            return await asyncio.gather(*(self._logprobs(r, use_cache=False) for r in requests))
+
+        return torch.stack(run_sync(gather()))
+
+    async def _logprobs(self, request: LogprobsRequest, *, use_cache: bool) -> torch.Tensor:
+        self._check_open()
+        if use_cache and self.cache is not None and request in self.cache:
+            self.num_cache_hits += 1
+            return self.cache[request].clone()
+        row = await self._logprobs_batcher.submit(request)
+        if use_cache and self.cache is not None:
+            self.cache[request] = row.clone()
+        return row
+
+    def _request(self, token_ids: Any, lora_name: str | None) -> LogprobsRequest:
+        self._check_open()
+        ids = check_token_ids(token_ids, self.vocab_size, self.max_prompt_len)
+        return LogprobsRequest(ids, self._resolve_lora(lora_name))
+
+    def _requests(self, token_ids_list: Iterable[Any], lora_name: str | None) -> list[LogprobsRequest]:
+        if isinstance(token_ids_list, (str, bytes)) or not isinstance(token_ids_list, Iterable):
+            raise InvalidRequestError(
+                f"token_ids_list must be a sequence of prompts, got {type(token_ids_list).__name__}"
+            )
+        requests = [self._request(ids, lora_name) for ids in token_ids_list]
+        if not requests:
+            raise InvalidRequestError("token_ids_list is empty: pass at least one prompt")
+        return requests
+
+    # ---- sampling -----------------------------------------------------------------------
+
+    async def sample(
+        self,
+        prompt_token_ids: Any,
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[int]:
+        """Samples a continuation of ``prompt_token_ids``, one awaited step at a time.
+
+        Each step awaits :meth:`next_token_logprobs` (so concurrent samplers share batches)
+        and draws from ``softmax(logprobs / temperature)`` with a CPU generator seeded by
+        ``seed``; temperature 0 is greedy. Stops after ``max_tokens`` tokens or at the first
+        token whose id is in ``eos_token_ids``, which is not returned.
+
+        Returns:
+            The sampled token ids. Same seed and prompt, same result.
+        """
+        prompt = self._request(prompt_token_ids, None).token_ids
+        eos = self._eos_set(eos_token_ids)
+        check_max_tokens(max_tokens)
+        check_temperature(temperature)
+        generator = torch.Generator().manual_seed(
+            seed if seed is not None else int.from_bytes(os.urandom(8), "big") >> 1
+        )
+        context, sampled = list(prompt), []
+        for _ in range(max_tokens):
+            logprobs = (await self.next_token_logprobs(context)).float().cpu()
+            if temperature == 0:
+                token = int(torch.argmax(logprobs))
+            else:
+                probs = torch.softmax(logprobs / temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            if token in eos:
+                break
+            sampled.append(token)
+            context.append(token)
+        return sampled
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Iterable[Any],
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """Samples one continuation per prompt, concurrently (their steps share batches).
+
+        With a ``seed``, prompt i is sampled with seed ``seed + i``, so the batch is
+        reproducible and identical prompts still get independent samples.
+        """
+        prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, None)]
+        return list(
+            await asyncio.gather(
+                *(
+                    self.sample(p, max_tokens, eos_token_ids, temperature, None if seed is None else seed + i)
+                    for i, p in enumerate(prompts)
+                )
+            )
+        )
+
+    def _eos_set(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        if eos_token_ids is None:
+            return frozenset()
+        return frozenset(check_token_ids(list(eos_token_ids), self.vocab_size, None, allow_empty=True))
+
+    # ---- adapters -----------------------------------------------------------------------
+
+    @staticmethod
+    def hash_to_int(name: str) -> int:
+        """The integer id of adapter ``name``: shake_128 (4 bytes, big-endian) mod (2^31 - 2), plus 1.
+
+        Always in [1, 2^31 - 1]; the same ids as the reference library gives.
+        """
+        digest = hashlib.shake_128(name.encode("utf-8")).digest(4)
+        return int.from_bytes(digest, "big") % (2**31 - 2) + 1
+
+    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
+        """Loads the adapter at ``lora_path`` (a local folder) under ``lora_name``.
+
+        Does not activate it: pass ``lora_name=`` per call, or call :meth:`set_lora`.
+
+        Raises:
+            InvalidRequestError: ``lora_name`` is taken by another path, or its id collides
+                with the id of another registered name (rename one of them).
+        """
+        self._check_open()
+        if not isinstance(lora_name, str) or not lora_name:
+            raise InvalidRequestError(f"lora_name must be a non-empty str, got {lora_name!r}")
+        lora_path = os.fspath(lora_path)
+        if self._lora_paths.get(lora_name) == lora_path:
+            return
+        if lora_name in self._lora_paths:
+            raise InvalidRequestError(
+                f"an adapter named {lora_name!r} is already loaded from {self._lora_paths[lora_name]!r}; "
+                "remove_lora() it first"
+            )
+        lora_id = self.hash_to_int(lora_name)
+        for other, other_id in self._lora_ids.items():
+            if other_id == lora_id:
+                raise InvalidRequestError(
+                    f"adapter names {lora_name!r} and {other!r} hash to the same id {lora_id}; "
+                    "rename one of them"
+                )
+        self._load_lora(lora_name, lora_path)
+        self._lora_paths[lora_name] = lora_path
+        self._lora_ids[lora_name] = lora_id
+
+    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
+        """Activates a loaded adapter for every call that names none.
+
+        Raises:
+            InvalidRequestError: no adapter named ``lora_name`` was loaded (``add_new_lora``).
+        """
+        self._check_open()
+        if lora_name not in self._lora_paths:
+            raise InvalidRequestError(
+                f"no LoRA adapter named {lora_name!r} is loaded; call add_new_lora() first"
+            )
+        self.active_lora = lora_name
+
+    def clear_lora(self) -> None:
+        """Deactivates the active adapter: calls that name none use the base model."""
+        self.active_lora = None
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unloads an adapter and drops its cached results.
+
+        Raises:
+            InvalidRequestError: no adapter of that name is loaded.
+        """
+        self._check_open()
+        if lora_name not in self._lora_paths:
+            raise InvalidRequestError(f"no LoRA adapter named {lora_name!r} is loaded")
+        self._unload_lora(lora_name)
+        del self._lora_paths[lora_name]
+        del self._lora_ids[lora_name]
+        if self.active_lora == lora_name:
+            self.active_lora = None
+        self.clear_cache()
+
+    def _resolve_lora(self, lora_name: str | None) -> str | None:
+        if lora_name is None:
+            return self.active_lora
+        if not isinstance(lora_name, str):
+            raise InvalidRequestError(f"lora_name must be a str or None, got {lora_name!r}")
+        if lora_name not in self._lora_paths:
+            raise InvalidRequestError(
+                f"unknown LoRA adapter {lora_name!r}; loaded: {sorted(self._lora_paths)}"
+            )
+        return lora_name
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def clear_cache(self) -> None:
+        """Empties the output cache."""
+        if self.cache is not None:
+            self.cache.clear()
+
+    def reset_async_queries(self) -> None:
+        """Drops every queued request; each dropped awaiter gets ``RequestDroppedError``.
+
+        Requests already being evaluated still complete.
+        """
+        self._logprobs_batcher.reset()
+
+    def stats(self) -> dict[str, Any]:
+        """Batching counters of the log-probability path, plus output-cache hits."""
+        return {**self._logprobs_batcher.stats.as_dict(), "cache_hits": self.num_cache_hits}
+
+    def cleanup(self) -> None:
+        """Fails every waiting request, releases the engine. Idempotent; later use raises."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        self._logprobs_batcher.close()
+        try:
+            self._close()
+        finally:
+            self._engine_thread.shutdown(wait=False, cancel_futures=True)
+            self.clear_cache()
+
+    def _check_open(self) -> None:
+        if self.is_closed:
+            raise ClosedError(f"this {type(self).__name__} was cleaned up; create a new one")
+
+    def __enter__(self) -> AsyncLM:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> AsyncLM:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.cleanup()
+

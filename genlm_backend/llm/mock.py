@@ -1,0 +1,62 @@
+"""`MockAsyncLM`: deterministic pseudo-random log-probabilities, for testing programs."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import AsyncLM, LogprobsRequest
+
+__all__ = ["MockAsyncLM"]
+
+
+class MockAsyncLM(AsyncLM):
+    """A stand-in model: each prompt gets its own fixed random next-token distribution.
+
+    The row for a prompt is ``log_softmax`` of standard normal logits drawn from a generator
+    seeded by a hash of the prompt's token ids (and the adapter name, if any), so the same
+    prompt always gets the same row, in every process. It goes through the same batcher,
+    cache and validation as the real backends, so programs can be tested against it.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (only its vocabulary is used).
+        vocab_size: the output size V; defaults to ``len(tokenizer)``.
+        **kwargs: ``batch_size``, ``timeout``, ``cache_size``, ``cache_opts``, ``flush`` of
+            :class:`~genlm_backend.llm.base.AsyncLM`.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, **kwargs: Any):
+        super().__init__(tokenizer, **kwargs)
+        self._vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
+        self.num_evaluated = 0
+
+    @classmethod
+    def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
+        """Loads only the tokenizer of ``model_name`` (a local folder or a hub id)."""
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(model_name), **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def _load_lora(self, lora_name: str, lora_path: str) -> None:
+        """Adapters only change the seed of the rows: enough to test adapter routing."""
+
+    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Sequence[torch.Tensor]:
+        self.num_evaluated += len(requests)
+        return [self.logprobs_of(r.token_ids, r.lora_name) for r in requests]
+
+    def logprobs_of(self, token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
+        """The row this mock returns for ``token_ids``, computed directly (no batching)."""
+        digest = hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8)
+        if lora_name is not None:
+            digest.update(lora_name.encode("utf-8"))
+        generator = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "big") >> 1)
+        logits = torch.randn(self._vocab_size, generator=generator)
+        return torch.log_softmax(logits, dim=-1)

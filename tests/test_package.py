@@ -1,0 +1,87 @@
+"""The public surface: exported names, lazy imports, the genlm.backend alias."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import genlm_backend
+
+EXPORTED = {
+    "load_model_by_name",
+    "AsyncLM",
+    "AsyncVirtualLM",
+    "AsyncTransformer",
+    "MockAsyncLM",
+    "decode_vocab",
+    "Token",
+    "TokenCharacterTrie",
+    "ParallelTokenCharacterTrie",
+    "AsyncTokenCharacterTrie",
+    "install_genlm_alias",
+}
+
+
+def run_python(code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_exported_names_are_pinned():
+    assert set(genlm_backend.__all__) == EXPORTED
+
+
+def test_importing_the_package_does_not_import_vllm():
+    out = run_python(
+        """
+        import sys, genlm_backend, genlm_backend.llm, genlm_backend.tokenization, genlm_backend.trie
+        from genlm_backend import MockAsyncLM, decode_vocab, Token, load_model_by_name
+        print("vllm" in sys.modules, "numba" in sys.modules)
+        """
+    )
+    assert out.split() == ["False", "False"]
+
+
+def test_genlm_backend_alias_serves_the_same_modules():
+    out = run_python(
+        """
+        import genlm_backend
+        genlm_backend.install_genlm_alias()
+        genlm_backend.install_genlm_alias()  # idempotent
+        from genlm.backend import load_model_by_name, decode_vocab
+        from genlm.backend.llm import MockAsyncLM
+        from genlm.backend.tokenization import Token
+        import genlm.backend.cache as cache
+        import genlm_backend.llm, genlm_backend.tokenization, genlm_backend.cache
+        assert MockAsyncLM is genlm_backend.llm.MockAsyncLM
+        assert Token is genlm_backend.tokenization.Token
+        assert cache is genlm_backend.cache
+        assert genlm_backend.cache.__spec__.name == "genlm_backend.cache"
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"
+
+
+def test_the_alias_is_opt_in():
+    out = run_python(
+        """
+        import genlm_backend
+        try:
+            import genlm.backend
+        except ImportError:
+            print("absent")
+        """
+    )
+    assert out.strip() == "absent"
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTED - {"AsyncVirtualLM", "AsyncTransformer"}))
+def test_every_export_resolves(name):
+    assert getattr(genlm_backend, name) is not None
