@@ -1,0 +1,83 @@
+"""The one seam between the Hugging Face backend and transformers' cache internals.
+
+Everything that knows how transformers stores past key/values lives here:
+:func:`make_past` builds a ``DynamicCache`` around tensors we already hold (without copying
+them), :func:`read_past` takes the tensors back out after a forward pass, and
+:func:`accepts_logits_to_keep` asks whether a model can skip computing logits that nobody reads.
+
+Checked against transformers 5.17 and 5.19 (``DynamicCache.layers`` of ``DynamicLayer`` with
+``keys``/``values`` tensors ``[batch, kv_heads, seq, head_dim]``) and, through the fallback,
+the 4.x layout (``key_cache``/``value_cache`` lists). ``tests/llm/test_hf_cache.py`` checks
+that a cache built here equals one built by transformers' own public constructor, so a
+change of layout fails loudly instead of silently corrupting results.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["accepts_logits_to_keep", "make_past", "read_past"]
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_past(layers: list[KV] | None) -> Any:
+    """A ``DynamicCache`` holding ``layers`` (one ``(keys, values)`` pair per decoder layer).
+
+    The tensors are used as they are (no copy); the model's forward pass then appends the new
+    positions by concatenation, which allocates new tensors and leaves these untouched.
+    ``None`` gives an empty cache that the forward pass fills.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    if not layers:
+        return cache
+    if isinstance(getattr(cache, "layers", None), list):
+        from transformers.cache_utils import DynamicLayer
+
+        for keys, values in layers:
+            layer = DynamicLayer()
+            _initialise(layer, keys, values)  # whatever bookkeeping this version keeps
+            layer.keys, layer.values = keys, values
+            cache.layers.append(layer)
+        return cache
+    if hasattr(DynamicCache, "from_legacy_cache"):  # transformers 4.x
+        return DynamicCache.from_legacy_cache(tuple(layers))
+    raise RuntimeError(  # pragma: no cover - a transformers layout this module does not know
+        "genlm_backend cannot build a transformers DynamicCache in this version of transformers; "
+        "update genlm_backend/llm/hf_cache.py"
+    )
+
+
+def _initialise(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    try:
+        layer.lazy_initialization(keys, values)  # transformers >= 5.x
+    except TypeError:
+        layer.lazy_initialization(keys)  # transformers 4.56-4.57
+    layer.is_initialized = True
+
+
+def read_past(cache: Any) -> list[KV]:
+    """The ``(keys, values)`` tensors of every layer of a cache returned by a forward pass."""
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list):
+        return [(layer.keys, layer.values) for layer in layers]
+    if hasattr(cache, "key_cache"):  # transformers 4.x
+        return list(zip(cache.key_cache, cache.value_cache))
+    if isinstance(cache, (tuple, list)):  # legacy tuples
+        return [(k, v) for k, v, *_ in cache]
+    raise RuntimeError(  # pragma: no cover
+        f"genlm_backend cannot read a {type(cache).__name__}; update genlm_backend/llm/hf_cache.py"
+    )
+
+
+def accepts_logits_to_keep(model: Any) -> bool:
+    """Whether ``model.forward`` takes ``logits_to_keep`` (so logits of other positions are skipped)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return False

@@ -1,0 +1,39 @@
+"""The W1 benchmark script of the Hugging Face backend runs and writes its JSON (tiny config)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_w1_hf
+
+
+def test_w1_benchmark_smoke(tmp_path, capsys):
+    payload = bench_w1_hf.main(
+        [
+            "--device", "cpu", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+            "--mlp", "64", "--vocab", "500", "--prompt-len", "8", "--steps", "4",
+            "--particles", "1,4", "--repeats", "1", "--warmup", "1", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "w1_hf_cpu.json").read_text())
+    assert written["workload"] == "w1_hf_cpu"
+    assert [row["N"] for row in written["rows"]] == [1, 4]
+    for row in payload["rows"]:
+        assert row["forward_passes"] == 4  # the prompt, then one pass per step
+        assert row["wall_s"] > 0 and row["floor_s"] > 0
+    assert "ratio" in capsys.readouterr().out
+
+
+def test_w1_particles_follow_the_same_distribution_as_the_floor():
+    """Same seed, same model: the backend's particles and the floor's sample the same tokens."""
+    args = bench_w1_hf.parse_args(
+        ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--mlp", "64", "--vocab", "50"]
+    )  # fmt: skip
+    model = bench_w1_hf.build_model(args)
+    from genlm_backend.llm.hf import AsyncTransformer
+
+    prompt = list(range(8))
+    with AsyncTransformer(model, None, batch_size=4) as lm:
+        ours = bench_w1_hf.run_w1(lm, prompt, 1, 6, seed=3)
+    floor = bench_w1_hf.run_floor(model, prompt, 1, 6, seed=3, device="cpu")
+    assert ours == floor
