@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
+
+# Test modules import shared helpers as ``tests.real_tokenizers``; plain ``pytest`` (unlike
+# ``python -m pytest``) does not put the repository root on the path.
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
 
 # vLLM runs in-process, offline, with a small CPU KV cache; set before anything imports it.
 for name, value in {

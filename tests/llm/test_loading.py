@@ -9,7 +9,6 @@ import pytest
 
 from genlm_backend import load_model_by_name
 from genlm_backend.llm import MockAsyncLM
-from genlm_backend.llm.loading import is_vllm_usable
 
 
 def test_unknown_backend_is_a_value_error():
