@@ -1,0 +1,273 @@
+"""The queue of one batcher on one event loop: take a batch, run it, resolve the futures.
+
+Private to :mod:`genlm_backend.batching`, whose docstring states the guarantees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .exceptions import ClosedError, EngineError
+
+if TYPE_CHECKING:
+    from .batching import Batcher
+
+__all__ = ["LoopQueue", "fail_all"]
+
+# Idle probes of every batcher, so that two batchers waiting for an idle loop do not keep
+# each other "busy" forever.
+_IDLE_PROBES: set[asyncio.Handle] = set()
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One distinct key and the futures of everyone who awaits it."""
+
+    key: Any
+    queued_at: float
+    waiters: list[asyncio.Future] = field(default_factory=list)
+
+
+class LoopQueue:
+    """The queue of one batcher on one event loop: take a batch, run it, resolve it."""
+
+    def __init__(self, batcher: Batcher, loop: asyncio.AbstractEventLoop):
+        self.batcher = batcher
+        self.loop = loop
+        self.pending: dict[Any, _Entry] = {}
+        self.running: dict[Any, _Entry] = {}
+        self.is_busy = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.idle_probe: asyncio.Handle | None = None
+        self.start_soon: asyncio.Handle | None = None
+        self.num_added = 0
+        self.num_added_at_last_probe = -1
+
+    # ---- queueing -------------------------------------------------------------------
+
+    def add(self, key: Any) -> asyncio.Future:
+        fut = self.loop.create_future()
+        stats = self.batcher.stats
+        stats.num_requests += 1
+        self.num_added += 1
+        if key in self.running:
+            self.running[key].waiters.append(fut)
+            stats.num_joined += 1
+            return fut
+        if key in self.pending:
+            self.pending[key].waiters.append(fut)
+            stats.num_deduplicated += 1
+            return fut
+        self.pending[key] = _Entry(key, time.perf_counter(), [fut])
+        self.schedule()
+        return fut
+
+    def forget(self, key: Any, fut: asyncio.Future) -> None:
+        """Drops one cancelled waiter; a pending key nobody awaits any more is dropped."""
+        for table in (self.pending, self.running):
+            entry = table.get(key)
+            if entry is not None and fut in entry.waiters:
+                entry.waiters.remove(fut)
+                if not entry.waiters and table is self.pending:
+                    del table[key]
+                return
+
+    def drop_pending(self, error_factory: Callable[[], BaseException]) -> None:
+        entries, self.pending = list(self.pending.values()), {}
+        self.cancel_triggers()
+        for entry in entries:
+            fail_all(entry.waiters, error_factory)
+
+    def fail_everything(self, error_factory: Callable[[], BaseException]) -> None:
+        running, self.running = list(self.running.values()), {}
+        self.drop_pending(error_factory)
+        for entry in running:
+            fail_all(entry.waiters, error_factory)
+
+    # ---- deciding when to run -------------------------------------------------------
+
+    def schedule(self) -> None:
+        if self.is_busy or not self.pending:
+            return
+        batcher = self.batcher
+        if len(self.pending) >= batcher.max_batch_size:
+            if self.start_soon is None:
+                self.start_soon = self.loop.call_soon(self.start)
+            return
+        if self.timer is None:
+            first = min(e.queued_at for e in self.pending.values())
+            delay = max(0.0, first + batcher.timeout - time.perf_counter())
+            self.timer = self.loop.call_later(delay, self.start)
+        if batcher.flush == "idle" and self.idle_probe is None:
+            self._probe_soon()
+
+    def _probe_soon(self) -> None:
+        self.idle_probe = self.loop.call_soon(self._probe_idle)
+        _IDLE_PROBES.add(self.idle_probe)
+
+    def _probe_idle(self) -> None:
+        _IDLE_PROBES.discard(self.idle_probe)
+        self.idle_probe = None
+        if self.is_busy or not self.pending:
+            return
+        if self._loop_has_other_ready_work():
+            self._probe_soon()
+        else:
+            self.start()
+
+    def _loop_has_other_ready_work(self) -> bool:
+        ready = getattr(self.loop, "_ready", None)
+        if ready is not None:  # CPython's event loops: look at the ready queue itself
+            return any(handle not in _IDLE_PROBES for handle in ready)
+        # Other loops (uvloop): call the loop idle once a full pass added no request.
+        is_quiet = self.num_added == self.num_added_at_last_probe
+        self.num_added_at_last_probe = self.num_added
+        return not is_quiet
+
+    def cancel_triggers(self) -> None:
+        for handle in (self.timer, self.idle_probe, self.start_soon):
+            if handle is not None:
+                handle.cancel()
+                _IDLE_PROBES.discard(handle)
+        self.timer = self.idle_probe = self.start_soon = None
+
+    # ---- running a batch ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Takes up to ``max_batch_size`` pending keys and hands them to ``evaluate``."""
+        self.cancel_triggers()
+        if self.is_busy or not self.pending:
+            return
+        batcher = self.batcher
+        keys = list(self.pending)[: batcher.max_batch_size]
+        batch = [self.pending.pop(k) for k in keys]
+        now = time.perf_counter()
+        for entry in batch:
+            self.running[entry.key] = entry
+            batcher.stats.queue_wait_s += now - entry.queued_at
+        self.is_busy = True
+        batcher.stats.num_batches += 1
+        batcher.stats.num_evaluated += len(batch)
+        if batcher.runs_inline:
+            try:
+                results, seconds = _timed_sync(batcher.evaluate, keys)
+            except Exception as exc:  # noqa: BLE001 - routed to the batch's awaiters
+                self.finish(batch, None, exc, 0.0)
+            else:
+                self.finish(batch, results, None, seconds)
+            return
+        try:
+            if batcher.is_async:
+                task = self.loop.create_task(_timed_async(batcher.evaluate, keys))
+                task.add_done_callback(lambda t: self._on_async_done(batch, t))
+            else:
+                job = batcher.executor.submit(_timed_sync, batcher.evaluate, keys)
+                job.add_done_callback(lambda j: self._on_thread_done(batch, j))
+        except RuntimeError as exc:  # the executor was shut down under us
+            self.finish(batch, None, ClosedError(f"{batcher.name} cannot run: {exc}"), 0.0)
+
+    def _on_async_done(self, batch: list[_Entry], task: asyncio.Task) -> None:
+        if task.cancelled():
+            self.finish(batch, None, ClosedError("the event loop was shut down"), 0.0)
+            return
+        exc = task.exception()
+        results, seconds = task.result() if exc is None else (None, 0.0)
+        self.finish(batch, results, exc, seconds)
+
+    def _on_thread_done(self, batch: list[_Entry], job: concurrent.futures.Future) -> None:
+        exc = job.exception()
+        results, seconds = job.result() if exc is None else (None, 0.0)
+        try:
+            self.loop.call_soon_threadsafe(self.finish, batch, results, exc, seconds)
+        except RuntimeError:  # the loop was closed while the engine worked
+            self.finish(batch, None, ClosedError("the event loop was closed"), seconds)
+
+    def finish(
+        self,
+        batch: list[_Entry],
+        results: Sequence[Any] | None,
+        error: BaseException | None,
+        seconds: float,
+    ) -> None:
+        """Resolves every waiter of ``batch``, then lets the next batch run."""
+        stats = self.batcher.stats
+        stats.evaluate_s += seconds
+        if error is None and (results is None or len(results) != len(batch)):
+            got = "None" if results is None else len(results)
+            error = RuntimeError(f"evaluate returned {got} results for {len(batch)} keys")
+        if error is not None:
+            stats.num_failed_batches += 1
+        for i, entry in enumerate(batch):
+            if self.running.get(entry.key) is entry:
+                del self.running[entry.key]
+            if error is not None:
+                fail_all(entry.waiters, lambda: _engine_error(error, len(batch)))
+            else:
+                _resolve_all(entry.waiters, results[i], self.batcher.copy_result)
+        self.is_busy = False
+        if not self.loop.is_closed():
+            self.schedule()
+
+
+def _timed_sync(evaluate: Callable, keys: list) -> tuple[Sequence[Any], float]:
+    start = time.perf_counter()
+    results = evaluate(keys)
+    return results, time.perf_counter() - start
+
+
+async def _timed_async(evaluate: Callable, keys: list) -> tuple[Sequence[Any], float]:
+    start = time.perf_counter()
+    results = await evaluate(keys)
+    return results, time.perf_counter() - start
+
+
+def _engine_error(error: BaseException, batch_size: int) -> BaseException:
+    if isinstance(error, ClosedError):
+        return ClosedError(str(error))
+    exc = EngineError(f"the engine failed on a batch of {batch_size} requests: {error!r}")
+    exc.__cause__ = error
+    return exc
+
+
+def fail_all(waiters: list[asyncio.Future], error_factory: Callable[[], BaseException]) -> None:
+    for fut in waiters:
+        if not fut.done():
+            try:
+                fut.set_exception(error_factory())
+            except RuntimeError:  # its loop is closed: the future is marked done all the same
+                pass
+
+
+def _resolve_all(waiters: list[asyncio.Future], result: Any, copy_result: Callable) -> None:
+    live = [fut for fut in waiters if not fut.done()]
+    for i, fut in enumerate(live):
+        if isinstance(result, BaseException):
+            error = result if i == 0 else _copy_exception(result)
+            fail_all([fut], lambda: error)
+            continue
+        try:
+            value = result if i == 0 else copy_result(result)
+        except Exception as exc:  # noqa: BLE001 - the copy failed: fail this waiter only
+            fail_all([fut], functools.partial(_same, exc))
+            continue
+        try:
+            fut.set_result(value)
+        except RuntimeError:  # its loop is closed: the future is marked done all the same
+            pass
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _copy_exception(exc: BaseException) -> BaseException:
+    twin = copy.copy(exc)
+    twin.__cause__ = exc.__cause__
+    return twin
