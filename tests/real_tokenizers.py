@@ -70,7 +70,13 @@ def assets_dir() -> Path:
 
 
 def mistral_data_dir() -> Path:
-    """The ``data`` folder of the installed ``mistral_common`` package."""
+    """The ``data`` folder of the installed ``mistral_common`` package.
+
+    ``$GENLM_MISTRAL_DATA`` names another folder with the same files, for machines without
+    the package (the lent GPU machine).
+    """
+    if os.environ.get("GENLM_MISTRAL_DATA"):
+        return Path(os.environ["GENLM_MISTRAL_DATA"])
     try:
         root = importlib.resources.files("mistral_common")
     except ModuleNotFoundError as exc:  # pragma: no cover - vllm brings it in this project

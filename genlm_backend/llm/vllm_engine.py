@@ -1,0 +1,200 @@
+"""Runs batches of requests through one ``vllm.LLM``: the step loop, early delivery, OOM splits.
+
+Everything here runs on the model's engine thread (one call at a time). A batch is a list
+of :class:`EngineJob`; each job turns its finished ``RequestOutput`` into its result, and
+may hand that result to its caller at once (``deliver``) instead of at the end of the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..exceptions import EngineError, InvalidRequestError
+from . import vllm_internals
+
+__all__ = ["EngineJob", "EngineRunner"]
+
+_PENDING = object()
+
+
+@dataclass(eq=False)
+class EngineJob:
+    """One engine request: a prompt, its sampling parameters, and what to make of the output.
+
+    Compared and hashed by identity, so a batcher never merges two jobs.
+    """
+
+    prompt: tuple[int, ...]
+    params: Any  # vllm.SamplingParams
+    convert: Callable[[Any], Any]  # RequestOutput -> result
+    lora_request: Any = None
+    deliver: Callable[[Any], None] | None = None  # early delivery of the result
+    # A session chunk: ``prompt`` is appended to the live streaming request ``stream_id``
+    # (opened by the first chunk); ``full_prompt`` is the whole context, for a retry as a
+    # plain request once the session is gone.
+    stream_id: str | None = None
+    full_prompt: tuple[int, ...] | None = None
+    result: Any = field(default=_PENDING, repr=False)
+
+    def unstream(self) -> None:
+        """Turns this session chunk into a plain request over the whole context."""
+        if self.stream_id is not None and self.full_prompt is not None:
+            self.prompt, self.stream_id = self.full_prompt, None
+
+    @property
+    def is_done(self) -> bool:
+        return self.result is not _PENDING
+
+
+@dataclass
+class EngineStats:
+    num_engine_calls: int = 0
+    num_steps: int = 0
+    num_oom_splits: int = 0
+    engine_s: float = 0.0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.__dict__)
+        out["prefix_cache_hit_rate"] = (
+            self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+        )
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated()
+        else:
+            import resource
+
+            out["peak_device_memory_bytes"] = None
+            out["peak_host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return out
+
+
+class EngineRunner:
+    """Adds jobs to the engine and steps it until they finish.
+
+    On a device out-of-memory error the unfinished jobs are aborted and retried in two
+    halves, down to single jobs; a single job that still runs out of memory gets an
+    :class:`~genlm_backend.exceptions.EngineError`. Any other engine error aborts the
+    unfinished jobs and propagates (the batcher hands it to every awaiter of the batch).
+    """
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        # Tests replace this to inject failures: (jobs) -> None, runs before each attempt.
+        self.before_attempt: Callable[[Sequence[EngineJob]], None] | None = None
+        # Called when the scheduler stalls (waiting requests, none running): frees parked
+        # sessions that are not part of ``jobs``.
+        self.on_stall: Callable[[Sequence[EngineJob]], bool] | None = None
+        self.stall_timeout_s = 60.0
+
+    def run(self, jobs: Sequence[EngineJob]) -> list[Any]:
+        """Runs ``jobs``; returns one result or exception instance per job, in order."""
+        start = time.perf_counter()
+        self.stats.num_engine_calls += 1
+        try:
+            self._run_splitting([j for j in jobs if not j.is_done])
+        finally:
+            self.stats.engine_s += time.perf_counter() - start
+        return [job.result for job in jobs]
+
+    def _run_splitting(self, jobs: list[EngineJob]) -> None:
+        if not jobs:
+            return
+        try:
+            self._run_once(jobs)
+        except BaseException as exc:
+            if not vllm_internals.is_cuda_oom(exc):
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            pending = [j for j in jobs if not j.is_done]
+            for job in pending:  # their sessions were aborted: retry as plain requests
+                job.unstream()
+            if len(pending) <= 1:
+                for job in pending:
+                    error = EngineError(f"out of device memory even for a single request: {exc!r}")
+                    error.__cause__ = exc
+                    self._finish(job, error)
+                return
+            self.stats.num_oom_splits += 1
+            half = len(pending) // 2
+            self._run_splitting(pending[:half])
+            self._run_splitting(pending[half:])
+
+    def _run_once(self, jobs: list[EngineJob]) -> None:
+        if self.before_attempt is not None:
+            self.before_attempt(jobs)
+        engine = self.llm.llm_engine
+        running: dict[str, EngineJob] = {}
+        try:
+            for job in jobs:
+                request_id = job.stream_id or f"genlm-{next(self._ids)}"
+                try:
+                    if job.stream_id is None:
+                        vllm_internals.add_request(engine, request_id, job.prompt, job.params, job.lora_request)
+                    else:
+                        vllm_internals.add_session_chunk(engine, request_id, job.prompt, job.params, job.lora_request)
+                except Exception as exc:  # noqa: BLE001 - vLLM refused this request only
+                    self._finish(job, _invalid(exc))
+                    continue
+                running[request_id] = job
+            stalled_since = None
+            while running and engine.has_unfinished_requests():
+                self.stats.num_steps += 1
+                outputs = engine.step()
+                stalled_since = self._check_stall(engine, jobs, outputs, stalled_since)
+                for output in outputs:
+                    job = running.get(output.request_id)
+                    if job is None or not vllm_internals.output_done(output):
+                        continue
+                    del running[output.request_id]
+                    self.stats.num_prompt_tokens += len(output.prompt_token_ids or ())
+                    self.stats.num_cached_prompt_tokens += output.num_cached_tokens or 0
+                    try:
+                        result = job.convert(output)
+                    except Exception as exc:  # noqa: BLE001 - this job's own failure
+                        result = exc
+                    self._finish(job, result)
+            for job in running.values():
+                self._finish(job, EngineError("the engine finished without returning this request"))
+            running.clear()
+        finally:
+            if running:
+                vllm_internals.abort_requests(engine, list(running))
+
+    def _check_stall(self, engine: Any, jobs: Sequence[EngineJob], outputs: Any, since: float | None) -> float | None:
+        """Waiting requests and none running: parked sessions may hold every slot or block (or
+        a grammar is still compiling). Frees parked sessions at once; a stall that outlives
+        them by ``stall_timeout_s`` is an engine error instead of a hang."""
+        if outputs or not vllm_internals.is_stalled(engine):
+            return None
+        now = time.perf_counter()
+        if since is None:
+            if self.on_stall is not None:
+                self.on_stall(jobs)
+            return now
+        if now - since > self.stall_timeout_s:
+            raise EngineError(f"the engine scheduled nothing for {self.stall_timeout_s} s: its slots or KV "
+                              "blocks are held by requests it cannot finish")
+        return since
+
+    @staticmethod
+    def _finish(job: EngineJob, result: Any) -> None:
+        job.result = result
+        if job.deliver is not None:
+            job.deliver(result)
+
+
+def _invalid(exc: BaseException) -> InvalidRequestError:
+    error = InvalidRequestError(f"vLLM refused the request: {exc}")
+    error.__cause__ = exc
+    return error

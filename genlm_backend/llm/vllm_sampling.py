@@ -1,0 +1,108 @@
+"""Sampling options of :class:`~genlm_backend.llm.vllm.AsyncVirtualLM`, mapped to ``SamplingParams``."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+from ..exceptions import InvalidRequestError, InvalidRequestTypeError
+
+__all__ = ["SAMPLING_OPTIONS", "build_sampling_params", "strip_at_eos"]
+
+# Options callers may pass to ``sample``/``batch_sample`` besides the contract's arguments.
+SAMPLING_OPTIONS = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop_token_ids",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "regex",
+    "json_schema",
+)
+
+
+def build_sampling_params(
+    *,
+    max_tokens: int,
+    eos_token_ids: frozenset[int],
+    temperature: float,
+    seed: int | None,
+    options: dict[str, Any],
+) -> Any:
+    """A ``vllm.SamplingParams`` for one sampling request.
+
+    Generation stops at the first token whose id is in ``eos_token_ids`` or in the
+    ``stop_token_ids`` option (the model's own EOS only when it is listed): ``ignore_eos``
+    is set so that vLLM stops on ids, never on text.
+
+    Raises:
+        InvalidRequestError: an unknown option or a value vLLM refuses.
+    """
+    from vllm import SamplingParams
+
+    unknown = set(options) - set(SAMPLING_OPTIONS)
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling options {sorted(unknown)}; known: {SAMPLING_OPTIONS}")
+    opts = dict(options)
+    stop_ids = set(eos_token_ids) | set(_int_list(opts.pop("stop_token_ids", None) or (), "stop_token_ids"))
+    structured = _structured_outputs(opts.pop("regex", None), opts.pop("json_schema", None))
+    n = opts.pop("n", 1)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise InvalidRequestError(f"n must be a positive int, got {n!r}")
+    try:
+        return SamplingParams(
+            n=int(n),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop_token_ids=sorted(stop_ids),
+            ignore_eos=True,
+            detokenize=structured is not None,
+            skip_special_tokens=False,
+            **({"structured_outputs": structured} if structured is not None else {}),
+            **opts,
+        )
+    except Exception as exc:  # noqa: BLE001 - vLLM's own validation errors (not ValueErrors)
+        raise InvalidRequestError(f"invalid sampling options: {exc}") from exc
+
+
+def strip_at_eos(token_ids: Iterable[int], stop_ids: frozenset[int]) -> list[int]:
+    """The tokens before the first stop id (the stop id itself is not returned)."""
+    out = []
+    for tid in token_ids:
+        if tid in stop_ids:
+            break
+        out.append(int(tid))
+    return out
+
+
+def stop_ids_of(params: Any) -> frozenset[int]:
+    return frozenset(params.stop_token_ids or ())
+
+
+def _int_list(values: Any, name: str) -> list[int]:
+    if isinstance(values, numbers.Integral):
+        values = [values]
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InvalidRequestTypeError(f"{name} must hold ints, got {v!r}")
+        out.append(int(v))
+    return out
+
+
+def _structured_outputs(regex: str | None, json_schema: Any) -> Any:
+    if regex is None and json_schema is None:
+        return None
+    if regex is not None and json_schema is not None:
+        raise InvalidRequestError("pass at most one of regex= and json_schema=")
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if regex is not None:
+        return StructuredOutputsParams(regex=regex)
+    # Compact JSON: no free whitespace between tokens, so a token budget is not spent on it.
+    return StructuredOutputsParams(json=json_schema, disable_any_whitespace=True)

@@ -1,0 +1,151 @@
+"""The seam to vLLM's internals: fails loudly when the structures it relies on move.
+
+Checked against vLLM 0.32.0 (CPU); the lead checks 0.26.0 (CUDA) with the same tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
+]
+
+
+def test_the_logits_processor_interface_has_the_shape_we_rely_on():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+    assert {f.name for f in dataclasses.fields(BatchUpdate)} >= {"batch_size", "removed", "added", "moved"}
+    assert {"SWAP", "UNIDIRECTIONAL"} <= set(MoveDirectionality.__members__)
+    for name in ("apply", "update_state", "is_argmax_invariant"):
+        assert name in LogitsProcessor.__abstractmethods__
+    params = inspect.signature(LogitsProcessor.__init__).parameters
+    assert list(params)[1:] == ["vllm_config", "device", "is_pin_memory"]
+    assert SamplingParams(extra_args={"k": ["a", 1]}).extra_args == {"k": ["a", 1]}
+
+
+def test_non_argmax_invariant_processors_run_before_penalties_and_for_greedy_batches():
+    from vllm.v1.sample.sampler import Sampler
+
+    source = inspect.getsource(Sampler.apply_logits_processors)
+    assert "non_argmax_invariant" in source
+    assert source.index("non_argmax_invariant") < source.index("apply_penalties")
+    forward = inspect.getsource(Sampler.forward)
+    assert forward.index("to(torch.float32)") < forward.index("apply_logits_processors")
+
+
+def test_the_engine_offers_the_calls_we_make():
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    for name in ("add_request", "step", "abort_request", "has_unfinished_requests", "add_lora", "remove_lora"):
+        assert callable(getattr(LLMEngine, name)), name
+
+
+def test_the_processor_follows_removed_added_and_moved_rows():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from genlm_backend.llm.vllm_internals import CaptureSink, LogprobsCaptureProcessor
+
+    sink = CaptureSink()
+    tags = [sink.new_tag() for _ in range(3)]
+    proc = LogprobsCaptureProcessor(None, torch.device("cpu"), False)
+    assert proc.is_argmax_invariant() is False
+
+    def added(index, tag):
+        params = SamplingParams(extra_args=sink.extra_args(tag)) if tag else SamplingParams()
+        return (index, params, [1], [])
+
+    proc.update_state(BatchUpdate(3, removed=[], added=[added(0, tags[0]), added(1, 0), added(2, tags[1])], moved=[]))
+    proc.update_state(BatchUpdate(3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
+    proc.update_state(BatchUpdate(3, removed=[1], added=[], moved=[]))
+    proc.update_state(BatchUpdate(3, removed=[], added=[added(1, tags[2])], moved=[]))
+    logits = torch.randn(3, 10)
+    out = proc.apply(logits.clone())
+    assert torch.equal(out, logits)  # the logits are left unchanged
+    expected = torch.log_softmax(logits, -1)
+    assert torch.allclose(sink.take(tags[0]), expected[2])
+    assert torch.allclose(sink.take(tags[1]), expected[0])
+    assert torch.allclose(sink.take(tags[2]), expected[1])
+    proc.update_state(BatchUpdate(3, removed=[], added=[], moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert set(proc.rows) == {0, 2}
+
+
+def test_a_missing_row_is_an_error_never_a_wrong_row():
+    from genlm_backend.llm.vllm_internals import CaptureSink
+
+    sink = CaptureSink()
+    tag = sink.new_tag()
+    with pytest.raises(RuntimeError, match="delivered no row"):
+        sink.take(tag)
+    sink.put(999, torch.zeros(3))  # unexpected tags are ignored
+    with pytest.raises(RuntimeError):
+        sink.take(999)
+
+
+def test_a_request_with_an_output_token_is_no_longer_captured():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from genlm_backend.llm.vllm_internals import CaptureSink, LogprobsCaptureProcessor
+
+    sink = CaptureSink()
+    tag = sink.new_tag()
+    proc = LogprobsCaptureProcessor(None, torch.device("cpu"), False)
+    output_ids: list[int] = []
+    proc.update_state(BatchUpdate(1, removed=[], added=[(0, SamplingParams(extra_args=sink.extra_args(tag)), [1], output_ids)], moved=[]))
+    first = torch.randn(1, 5)
+    proc.apply(first)
+    output_ids.append(3)  # the engine sampled the prompt's next token
+    proc.apply(torch.randn(1, 5))
+    assert torch.allclose(sink.take(tag), torch.log_softmax(first, -1)[0])
+
+
+def test_engine_shutdown_still_ends_with_the_process_wide_teardown_we_suspend():
+    from vllm.v1.engine import core as core_module
+
+    assert callable(core_module.cleanup_dist_env_and_memory)
+    assert "cleanup_dist_env_and_memory()" in inspect.getsource(core_module.EngineCore.shutdown)
+
+
+def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_reference):
+    """The session route (vllm_internals.add_session_chunk) on the raw engine: a chunk of
+    ``max_tokens=1`` parks the request with its KV, the next chunk is prefilled alone (the
+    throwaway token is dropped, the prompt is not doubled) and its row is the row of the
+    whole context."""
+    from vllm import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.request import RequestStatus
+
+    from genlm_backend.llm import vllm_internals
+
+    assert "resumable" in inspect.signature(InputProcessor.process_inputs).parameters
+    engine = vlm.underlying_model.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    sink = vlm._sink
+    context, request_id = [], "genlm-test-session"
+    for chunk in ([5, 17, 300, 42, 9], [77], [78, 79]):
+        context = context + chunk
+        tag = sink.new_tag()
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=sink.extra_args(tag))
+        vllm_internals.add_session_chunk(engine, request_id, chunk, params, None)
+        for _ in range(10):
+            outputs = engine.step()
+            if any(o.request_id == request_id and vllm_internals.output_done(o) for o in outputs):
+                break
+        else:
+            raise AssertionError("the chunk never finished")
+        request = scheduler.requests[request_id]
+        assert request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+        assert request.num_computed_tokens == len(context) == len(request.prompt_token_ids)
+        row = sink.take(tag)
+        assert (row - hf_reference("base", context)).abs().max().item() <= 1e-4
+    vllm_internals.abort_requests(engine, [request_id])
+    assert request_id not in scheduler.requests and not engine.has_unfinished_requests()

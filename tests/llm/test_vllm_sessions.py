@@ -1,0 +1,216 @@
+"""Engine sessions of AsyncVirtualLM: lockstep requests that extend live engine requests.
+
+Every row is compared with a plain transformers forward pass of the whole context (same
+tolerance as ``test_vllm.py``: fp32 kernels differ by rounding only, <= 1e-4), so a session
+that appended a token to the wrong context, or a row that went to the wrong caller, fails.
+The shared engine has ``max_num_seqs=8``: at most 7 live sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from genlm_backend.exceptions import EngineError, InvalidRequestError
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
+]
+ATOL = 1e-4
+
+
+def contexts_of(lengths, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
+
+
+def assert_matches(row, reference):
+    assert row.dtype == torch.float32 and row.shape == reference.shape
+    assert (row - reference).abs().max().item() <= ATOL
+
+
+async def lockstep(vlm, contexts, num_steps, lora_name=None):
+    """Every context takes its greedy token each step; returns the contexts and their rows."""
+    rows = []
+    for _ in range(num_steps):
+        rows = await asyncio.gather(*(vlm.next_token_logprobs(c, lora_name=lora_name) for c in contexts))
+        contexts = [c + [int(r.argmax())] for c, r in zip(contexts, rows)]
+    return [c[:-1] for c in contexts], rows
+
+
+def sessions(vlm):
+    return vlm.stats()["sessions"]
+
+
+async def test_rows_through_sessions_equal_a_forward_pass(vlm, hf_reference):
+    contexts = contexts_of([3, 9, 17, 40], seed=30)
+    extended = sessions(vlm)["num_extended"]
+    for _ in range(4):
+        rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+        for context, row in zip(contexts, rows):
+            assert_matches(row, hf_reference("base", context))
+        contexts = [c + [int(torch.multinomial(r.exp(), 1))] for c, r in zip(contexts, rows)]
+    assert sessions(vlm)["num_extended"] - extended == 12  # steps 2-4 extend all four
+    assert sessions(vlm)["num_live"] == 4
+
+
+async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_reference):
+    parent = contexts_of([12], seed=31)[0]
+    await vlm.next_token_logprobs(parent)
+    # Resampling: three particles now share `parent`; each appends a different token.
+    children = [parent + [t] for t in (101, 202, 303)]
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in children))
+    for child, row in zip(children, rows):
+        assert_matches(row, hf_reference("base", child))
+    # One extended the parent's session, two opened new ones; all continue by extension.
+    extended = sessions(vlm)["num_extended"]
+    grandchildren = [c + [7] for c in children] + [children[0] + [8]]  # a second fork of child 0
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in grandchildren))
+    for context, row in zip(grandchildren, rows):
+        assert_matches(row, hf_reference("base", context))
+    assert sessions(vlm)["num_extended"] - extended == 3
+
+
+async def test_sessions_are_bounded_and_evicted_least_recently_used_first(vlm, hf_reference):
+    vlm.set_sessions(3)
+    contexts = contexts_of([5, 6, 7, 8, 9], seed=32)
+    final, rows = await lockstep(vlm, contexts, 3)
+    assert sessions(vlm)["num_live"] <= 3
+    for context, row in zip(final, rows):
+        assert_matches(row, hf_reference("base", context))
+    vlm.set_sessions(True)
+    # Sessions not extended for `idle_batches` batches are closed.
+    chain = contexts_of([4], seed=33)[0]
+    for i in range(vlm._sessions.idle_batches + 1):
+        await vlm.next_token_logprobs(chain)
+        chain = chain + [i + 3]
+    assert sessions(vlm)["num_live"] == 1
+    assert vlm.close_sessions() == 1
+    assert sessions(vlm)["num_live"] == 0
+
+
+async def test_more_particles_than_engine_slots_still_make_progress(vlm, hf_reference):
+    # 12 particles, 7 session slots: the rest run as plain requests; nothing waits forever.
+    contexts = contexts_of([6] * 12, seed=34)
+    final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 3), timeout=120)
+    for context, row in zip(final, rows):
+        assert_matches(row, hf_reference("base", context))
+    assert sessions(vlm)["num_live"] <= 7
+    # Sampling still finds a free slot while sessions are parked.
+    assert len(await asyncio.wait_for(vlm.sample(contexts[0], 4, [], seed=0), timeout=60)) == 4
+
+
+async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(vlm, hf_reference):
+    contexts = contexts_of([5, 6], seed=35)
+    await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+    vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
+    nxt = [c + [9] for c in contexts]
+    results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True)
+    assert all(isinstance(r, EngineError) for r in results)
+    assert sessions(vlm)["num_live"] == 0
+    vlm._runner.before_attempt = None
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
+    for context, row in zip(nxt, rows):
+        assert_matches(row, hf_reference("base", context))
+
+
+async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypatch):
+    from genlm_backend.llm import vllm_internals
+
+    contexts = contexts_of([5, 6, 7], seed=36)
+    await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+    doomed = vlm._sessions._by_key[(None, tuple(contexts[1]))].request_id
+    original = vllm_internals.add_session_chunk
+
+    def refuse(engine, request_id, *args):
+        if request_id == doomed:
+            raise ValueError("refused")
+        return original(engine, request_id, *args)
+
+    monkeypatch.setattr(vllm_internals, "add_session_chunk", refuse)
+    nxt = [c + [11] for c in contexts]
+    results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True)
+    assert isinstance(results[1], InvalidRequestError)
+    for i in (0, 2):
+        assert_matches(results[i], hf_reference("base", nxt[i]))
+    monkeypatch.undo()
+    assert doomed not in {s.request_id for s in vlm._sessions._sessions.values()}
+    assert_matches(await vlm.next_token_logprobs(nxt[1]), hf_reference("base", nxt[1]))
+
+
+async def test_a_cancelled_caller_leaves_the_others_and_the_sessions_usable(vlm, hf_reference):
+    contexts = contexts_of([5, 6], seed=37)
+    await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+    nxt = [c + [13] for c in contexts]
+    tasks = [asyncio.ensure_future(vlm.next_token_logprobs(c)) for c in nxt]
+    await asyncio.sleep(0)
+    tasks[0].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert_matches(results[1], hf_reference("base", nxt[1]))
+    after = [c + [14] for c in nxt]
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in after))
+    for context, row in zip(after, rows):
+        assert_matches(row, hf_reference("base", context))
+
+
+async def test_sessions_are_kept_apart_per_adapter(vlm, hf_reference, tiny_model_dirs):
+    vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
+    context = contexts_of([8], seed=38)[0]
+    for step in range(3):
+        base, lora = await asyncio.gather(vlm.next_token_logprobs(context), vlm.next_token_logprobs(context, "ad"))
+        assert_matches(base, hf_reference("base", context))
+        assert_matches(lora, hf_reference("merged", context))
+        context = context + [int(base.argmax())]
+    assert sessions(vlm)["num_live"] == 2
+    vlm.remove_lora("ad")  # closes the adapter's sessions
+    assert {s.lora_name for s in vlm._sessions._sessions.values()} == {None}
+
+
+def test_close_sessions_lets_the_engine_be_driven_directly(vlm):
+    from vllm import SamplingParams, TokensPrompt
+
+    vlm.next_token_logprobs_sync(contexts_of([6], seed=39)[0])
+    assert vlm.close_sessions() >= 1
+    llm = vlm.underlying_model
+    out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+async def test_sessions_off_gives_the_same_rows(vlm, hf_reference):
+    vlm.set_sessions(False)
+    contexts = contexts_of([5, 9], seed=40)
+    final, rows = await lockstep(vlm, contexts, 2)
+    assert sessions(vlm)["num_live"] == 0
+    for context, row in zip(final, rows):
+        assert_matches(row, hf_reference("base", context))
+
+
+async def test_a_stalled_engine_frees_its_parked_sessions(vlm, hf_reference):
+    # A parked request that is not this model's holds the 8th slot: once 7 sessions park,
+    # the plain requests of the batch find no slot; the runner must free the parked ones.
+    from vllm import SamplingParams
+
+    from genlm_backend.llm import vllm_internals
+
+    engine = vlm.underlying_model.llm_engine
+
+    def park_foreign():
+        params = SamplingParams(max_tokens=1, extra_args=vlm._sink.extra_args(vlm._sink.new_tag()))
+        vllm_internals.add_session_chunk(engine, "foreign-session", [5, 6, 7], params, None)
+        while not any(vllm_internals.output_done(o) for o in engine.step()):
+            pass
+
+    vlm._engine_thread.submit(park_foreign).result()
+    try:
+        contexts = contexts_of([6] * 12, seed=41)
+        final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 2), timeout=120)
+        for context, row in zip(final, rows):
+            assert_matches(row, hf_reference("base", context))
+    finally:
+        vlm._engine_thread.submit(vllm_internals.abort_requests, engine, ["foreign-session"]).result()

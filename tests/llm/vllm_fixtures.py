@@ -1,0 +1,147 @@
+"""Tiny real models for the vLLM tests, built offline, and session-scoped engines on them.
+
+The model is a random 2-layer Llama in fp32 (hidden 128, 2 heads of 64, 1 KV head) with
+Mistral's real 32000-token SentencePiece tokenizer (``mistral_common``'s
+``tokenizer.model.v1``, Apache-2.0). The LoRA adapter is a random peft adapter on the same
+model, and the merged model (base + adapter) is saved as its own folder: the independent
+reference the LoRA tests compare against.
+
+Engines take 5-15 s to start on two cores, so every test module shares the engines below.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MAX_MODEL_LEN = 512
+# Small scheduler limits so that one batch of capture requests spans several engine steps
+# (chunked prefill, more prompts than max_num_seqs).
+ENGINE_OPTS = {
+    "dtype": "float32",
+    "max_model_len": MAX_MODEL_LEN,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 256,
+    "enable_chunked_prefill": True,
+    "enable_lora": True,
+    "max_lora_rank": 8,
+    "max_loras": 2,
+    "seed": 0,
+}
+
+
+def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
+    """Saves a random fp32 2-layer Llama plus Mistral's 32k tokenizer into ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    from tests.real_tokenizers import mistral_data_dir
+
+    source = mistral_data_dir() / "tokenizer.model.v1"
+    shutil.copy(source, folder / "tokenizer.model")
+    tokenizer = LlamaTokenizer.from_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=MAX_MODEL_LEN,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # larger logits than the default init: sharper distributions
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def build_lora(base: Path, adapter_dir: Path, merged_dir: Path, seed: int = 1) -> None:
+    """Saves a random peft LoRA adapter of ``base`` and the merged model it stands for."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    peft_model.save_pretrained(str(adapter_dir))
+    merged = peft_model.merge_and_unload()
+    merged.save_pretrained(str(merged_dir))
+    for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
+        if (base / name).exists():
+            shutil.copy(base / name, merged_dir / name)
+            shutil.copy(base / name, adapter_dir / name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Folders: ``base`` (random tiny Llama), ``adapter`` (peft LoRA), ``merged``."""
+    root = tmp_path_factory.mktemp("vllm_models")
+    base = build_tiny_llama(root / "base")
+    build_lora(base, root / "adapter", root / "merged")
+    return {"base": base, "adapter": root / "adapter", "merged": root / "merged"}
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dirs):
+    """``logprobs(folder, token_ids) -> [V]``: a plain transformers forward pass in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str, object] = {}
+
+    def logprobs(which: str, token_ids) -> torch.Tensor:
+        if which not in models:
+            models[which] = AutoModelForCausalLM.from_pretrained(
+                str(tiny_model_dirs[which]), dtype=torch.float32
+            ).eval()
+        with torch.no_grad():
+            logits = models[which](torch.tensor([list(token_ids)])).logits[0, -1]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    return logprobs
+
+
+@pytest.fixture(scope="session")
+def vllm_lm(tiny_model_dirs):
+    """The shared AsyncVirtualLM on the tiny model (LoRA enabled, small scheduler limits)."""
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]), engine_opts=dict(ENGINE_OPTS))
+    yield lm
+    lm.cleanup()
+
+
+@pytest.fixture
+def vlm(vllm_lm):
+    """The shared model, with a clean adapter state, cache and queue for every test."""
+    vllm_lm.clear_lora()
+    vllm_lm.clear_cache()
+    vllm_lm.close_sessions()
+    vllm_lm.set_sessions(True)
+    vllm_lm._runner.before_attempt = None
+    yield vllm_lm
+    vllm_lm._runner.before_attempt = None
+    vllm_lm.clear_lora()
+    for name in list(vllm_lm._lora_paths):
+        vllm_lm.remove_lora(name)
