@@ -35,6 +35,13 @@ ENGINE_OPTS = {
     "max_loras": 2,
     "seed": 0,
 }
+try:  # on a GPU machine: several small engines share one device, and compiling is wasted
+    import torch
+
+    if torch.cuda.is_available():
+        ENGINE_OPTS.update(gpu_memory_utilization=0.15, enforce_eager=True)
+except ImportError:  # pragma: no cover - torch is a dependency
+    pass
 
 
 def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
