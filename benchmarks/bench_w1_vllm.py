@@ -22,6 +22,7 @@ GPU (random-weight 1.2B Llama, tekken 131k vocabulary, bf16; run
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import os
 import random
@@ -118,6 +119,12 @@ def run(args: argparse.Namespace) -> dict:
                                 torch.float32)
         engine_opts = {"max_model_len": 512, "dtype": "float32", **({"block_size": args.block_size} if args.block_size else {})}
     engine_opts["seed"] = args.seed
+    for item in args.engine_opt:
+        key, _, value = item.partition("=")
+        try:
+            engine_opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            engine_opts[key] = value
     max_n = max(args.particles)
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n)
     llm = lm.underlying_model
@@ -182,6 +189,8 @@ def main() -> None:
     parser.add_argument("--sessions", choices=("on", "off", "both"), default="both",
                         help="time engine sessions on (ours), off (nosess) or both, interleaved")
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (CPU default: 128)")
+    parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra vllm.LLM option (VALUE parsed as JSON when it can be); repeatable")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
     if args.steps is None:

@@ -171,7 +171,8 @@ class AsyncVirtualLM(AsyncLM):
             EngineJob(
                 prompt=r.token_ids if entry is None else entry[1],
                 params=vllm.SamplingParams(
-                    max_tokens=1, temperature=0.0, detokenize=False, extra_args=self._sink.extra_args(tag)
+                    max_tokens=1, temperature=0.0, detokenize=False,
+                    extra_args=self._sink.extra_args(tag), **vllm_internals.NO_DEEP_COPY,
                 ),
                 convert=lambda output, tag=tag: self._sink.take(tag).clone(),
                 lora_request=self._lora_request(r.lora_name),

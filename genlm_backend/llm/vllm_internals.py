@@ -62,6 +62,17 @@ CAPTURE_KEY = "genlm_backend_capture"
 _SINKS: weakref.WeakValueDictionary[str, CaptureSink] = weakref.WeakValueDictionary()
 
 
+def _no_deep_copy() -> dict[str, bool]:
+    """``SamplingParams(skip_clone=True)`` where this vLLM has it (0.32: the engine deep-copies
+    every request's params otherwise; ours are built fresh for each request)."""
+    import vllm
+
+    return {"skip_clone": True} if "skip_clone" in getattr(vllm.SamplingParams, "__struct_fields__", ()) else {}
+
+
+NO_DEEP_COPY = _no_deep_copy()
+
+
 class CaptureSink:
     """Where one engine's processor delivers captured rows; keyed by request tag.
 
