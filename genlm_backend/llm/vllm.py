@@ -44,6 +44,10 @@ DEFAULT_ENGINE_OPTS = {
     "enable_prefix_caching": True,
     "disable_log_stats": True,
     "gpu_memory_utilization": 0.9,
+    # Lockstep samplers extend sessions one token at a time; with async scheduling vLLM
+    # sees each chunk's end one engine step late. Measured on an H100 (W1, 1.2B model,
+    # sessions on): N=64 took 0.88 s with it off against 1.34 s with it on.
+    "async_scheduling": False,
 }
 
 
@@ -125,7 +129,8 @@ class AsyncVirtualLM(AsyncLM):
             model_name: the model (and tokenizer) to load.
             engine_opts: keyword arguments of ``vllm.LLM``, over the defaults
                 ``enable_prefix_caching=True, disable_log_stats=True,
-                gpu_memory_utilization=0.9`` (the caller's values win): e.g.
+                gpu_memory_utilization=0.9, async_scheduling=False`` (the caller's values
+                win): e.g.
                 ``tensor_parallel_size``, ``max_num_seqs``, ``enforce_eager``,
                 ``quantization``, ``max_model_len``, ``max_num_batched_tokens``,
                 ``enable_chunked_prefill``, ``enable_lora``, ``speculative_config``.
