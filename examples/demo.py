@@ -97,11 +97,12 @@ def main() -> None:
 
     async def both():
         batched, t_batched = await run_sis(lm, prompt, args.steps, eos, penalty, args.particles, True)
+        stats = lm.stats()
         lm.clear_cache()
         _, t_single = await run_sis(lm, prompt, args.steps, eos, penalty, args.particles, False)
-        return batched, t_batched, t_single
+        return batched, t_batched, t_single, stats
 
-    results, t_batched, t_single = asyncio.run(both())
+    results, t_batched, t_single, stats = asyncio.run(both())
     log_weights = torch.tensor([w for _, w in results])
     weights = torch.softmax(log_weights, 0)
     print(f"\nPrompt: {PROMPT!r}   target: the model, penalised {args.penalty} nats per letter 'e'\n")
@@ -113,8 +114,7 @@ def main() -> None:
     print(f"  auto-batched (concurrent awaits): {t_batched:6.2f} s")
     print(f"  one request at a time:            {t_single:6.2f} s")
     print(f"  speed-up from batching:           {t_single / t_batched:6.2f}x")
-    stats = lm.stats()
-    print(f"  batches run: {stats['num_batches']}, mean batch size {stats['mean_batch_size']:.2f}")
+    print(f"  batched run: {stats['num_batches']} engine batches, mean size {stats['mean_batch_size']:.2f}")
     lm.cleanup()
 
 
