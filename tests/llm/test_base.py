@@ -238,3 +238,14 @@ async def test_bad_sampling_arguments(lm, kwargs, error):
     args = {"prompt_token_ids": [1], "max_tokens": 3, "eos_token_ids": [0], **kwargs}
     with pytest.raises(error):
         await lm.sample(**args)
+
+
+def test_a_sync_twin_inside_the_sync_loop_raises_instead_of_deadlocking(lm):
+    from genlm_backend._sync import run_sync
+
+    async def nested():
+        return lm.next_token_logprobs_sync([1])  # would wait on the loop it runs on
+
+    with pytest.raises(RuntimeError, match="await the async method"):
+        run_sync(nested())
+    assert torch.equal(lm.next_token_logprobs_sync([1]), lm.logprobs_of([1]))  # still works
