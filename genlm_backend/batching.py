@@ -196,11 +196,6 @@ class Batcher(Generic[K, R]):
                 queue.fail_everything(lambda: ClosedError("the event loop was closed"))
                 del self._queues[loop]
 
-    @property
-    def num_pending(self) -> int:
-        """Distinct keys queued and not yet running, over every live event loop."""
-        return sum(len(q.pending) for q in self._queues.values())
-
     def reset(self) -> None:
         """Fails every queued (not yet running) waiter with ``RequestDroppedError``.
 
