@@ -182,6 +182,7 @@ class AsyncVirtualLM(AsyncLM):
                 convert=lambda output, tag=tag: self._sink.take(tag).clone(),
                 lora_request=self._lora_request(r.lora_name),
                 stream_id=None if entry is None else entry[0].request_id,
+                stream_request=None if entry is None else entry[0].engine_request,
                 full_prompt=r.token_ids,
             )
             for r, tag, entry in zip(requests, tags, plan)

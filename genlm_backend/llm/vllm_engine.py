@@ -37,15 +37,17 @@ class EngineJob:
     deliver: Callable[[Any], None] | None = None  # early delivery of the result
     # A session chunk: ``prompt`` is appended to the live streaming request ``stream_id``
     # (opened by the first chunk); ``full_prompt`` is the whole context, for a retry as a
-    # plain request once the session is gone.
+    # plain request once the session is gone. ``stream_request`` is the engine request of
+    # the session's last chunk (None for the first), replaced by this chunk's once added.
     stream_id: str | None = None
     full_prompt: tuple[int, ...] | None = None
+    stream_request: Any = None
     result: Any = field(default=_PENDING, repr=False)
 
     def unstream(self) -> None:
         """Turns this session chunk into a plain request over the whole context."""
         if self.stream_id is not None and self.full_prompt is not None:
-            self.prompt, self.stream_id = self.full_prompt, None
+            self.prompt, self.stream_id, self.stream_request = self.full_prompt, None, None
 
     @property
     def is_done(self) -> bool:
@@ -142,7 +144,9 @@ class EngineRunner:
                     if job.stream_id is None:
                         vllm_internals.add_request(engine, request_id, job.prompt, job.params, job.lora_request)
                     else:
-                        vllm_internals.add_session_chunk(engine, request_id, job.prompt, job.params, job.lora_request)
+                        job.stream_request = vllm_internals.add_session_chunk(
+                            engine, request_id, job.prompt, job.params, job.lora_request, job.stream_request
+                        )
                 except Exception as exc:  # noqa: BLE001 - vLLM refused this request only
                     self._finish(job, _invalid(exc))
                     continue

@@ -35,13 +35,17 @@ A tag whose row never arrives is an error (:meth:`CaptureSink.take`), never a wr
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
+import time
 import uuid
 import weakref
 from typing import Any
 
 import torch
+from vllm import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 __all__ = [
@@ -191,15 +195,15 @@ def add_request(engine: Any, request_id: str, prompt: tuple[int, ...], params: A
     (as ``LLM`` does inside) lets each result go to its caller as soon as it finishes. The
     outputs carry ``request_id`` as given here (0.32 adds a random suffix internally only).
     """
-    from vllm import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
     params.output_kind = RequestOutputKind.FINAL_ONLY
     engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params, lora_request=lora_request)
 
 
-def add_session_chunk(engine: Any, request_id: str, tokens: Any, params: Any, lora_request: Any) -> None:
-    """Opens (first call for ``request_id``) or extends a streaming-input session.
+def add_session_chunk(
+    engine: Any, request_id: str, tokens: Any, params: Any, lora_request: Any, previous: Any = None
+) -> Any:
+    """Opens (first call for ``request_id``) or extends a streaming-input session; returns the
+    engine request it added, to be passed back as ``previous`` with the session's next chunk.
 
     vLLM's multi-turn streaming input (``AsyncLLM.generate`` with ``StreamingInput``,
     0.32: ``v1/engine/async_llm.py:583``) is a *resumable* request: when a chunk reaches
@@ -219,22 +223,33 @@ def add_session_chunk(engine: Any, request_id: str, tokens: Any, params: Any, lo
     ``prompt_token_ids`` list and both append each chunk to it (``output_processor.py:207``
     and ``scheduler.py:1679``): the core gets its own copy. Parked sessions hold a runner slot
     (``scheduler.py:920``): they must stay below ``max_num_seqs``.
+
+    With ``previous`` (the request this returned for the session's last chunk), the chunk's
+    ``EngineCoreRequest`` is that one with new tokens, a new arrival time and ``params``'
+    ``extra_args``, instead of a second pass through ``process_inputs``: that pass (prompt
+    rendering, parameter validation, generation-config defaults) is most of the cost of a
+    one-token chunk and gives the same result for parameters that differ only in
+    ``extra_args``, which is the caller's promise.
     """
-    import copy
-
-    from vllm import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
     params.output_kind = RequestOutputKind.DELTA  # streaming input refuses FINAL_ONLY
-    request = engine.input_processor.process_inputs(
-        request_id, TokensPrompt(prompt_token_ids=list(tokens)), params,
-        supported_tasks=engine.get_supported_tasks(), lora_request=lora_request, resumable=True,
-    )
+    if previous is None:
+        request = engine.input_processor.process_inputs(
+            request_id, TokensPrompt(prompt_token_ids=list(tokens)), params,
+            supported_tasks=engine.get_supported_tasks(), lora_request=lora_request, resumable=True,
+        )
+    else:
+        sampling_params = copy.copy(previous.sampling_params)
+        sampling_params.extra_args = params.extra_args
+        request = copy.copy(previous)
+        request.prompt_token_ids = list(tokens)
+        request.sampling_params = sampling_params
+        request.arrival_time = time.time()
     request.external_req_id = request_id
     engine.output_processor.add_request(request, None, None, 0)
     core_request = copy.copy(request)
     core_request.prompt_token_ids = list(request.prompt_token_ids)
     engine.engine_core.add_request(core_request)
+    return core_request
 
 
 def supports_sessions(engine: Any) -> bool:

@@ -44,6 +44,7 @@ class Session:
     lora_name: str | None
     context: tuple[int, ...] | None  # None while a chunk is in flight
     last_used: int = 0
+    engine_request: Any = None  # the engine request of the last chunk, template of the next
 
 
 class SessionPool:
@@ -133,6 +134,7 @@ class SessionPool:
             if old is not None and old is not session:
                 self.close(old)
             session.context = request.token_ids
+            session.engine_request = jobs[i].stream_request
             self._by_key[key] = session
 
     def close(self, session: Session) -> None:

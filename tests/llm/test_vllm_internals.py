@@ -115,11 +115,13 @@ def test_engine_shutdown_still_ends_with_the_process_wide_teardown_we_suspend():
     assert "cleanup_dist_env_and_memory()" in inspect.getsource(core_module.EngineCore.shutdown)
 
 
-def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_reference):
+@pytest.mark.parametrize("reuse_previous", [False, True], ids=["process_inputs", "from_previous"])
+def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_reference, reuse_previous):
     """The session route (vllm_internals.add_session_chunk) on the raw engine: a chunk of
     ``max_tokens=1`` parks the request with its KV, the next chunk is prefilled alone (the
     throwaway token is dropped, the prompt is not doubled) and its row is the row of the
-    whole context."""
+    whole context. Later chunks built from the previous chunk's engine request (the fast
+    route sessions take) behave the same."""
     from vllm import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.request import RequestStatus
@@ -130,12 +132,14 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_refere
     engine = vlm.underlying_model.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     sink = vlm._sink
-    context, request_id = [], "genlm-test-session"
+    context, request_id, previous = [], f"genlm-test-session-{reuse_previous}", None
     for chunk in ([5, 17, 300, 42, 9], [77], [78, 79]):
         context = context + chunk
         tag = sink.new_tag()
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=sink.extra_args(tag))
-        vllm_internals.add_session_chunk(engine, request_id, chunk, params, None)
+        added = vllm_internals.add_session_chunk(engine, request_id, chunk, params, None, previous)
+        assert added.prompt_token_ids == chunk and added.sampling_params.extra_args == params.extra_args
+        previous = added if reuse_previous else None
         for _ in range(10):
             outputs = engine.step()
             if any(o.request_id == request_id and vllm_internals.output_done(o) for o in outputs):
