@@ -38,35 +38,20 @@ def _workdir() -> Path:
 @functools.cache
 def tiny_llama_dir() -> Path:
     """A folder with a random fp32 2-layer Llama and its 32k SentencePiece tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from tests.real_tokenizers import load_tokenizer
+    from tiny_llama import save_random_llama
 
-    folder = _workdir() / "tiny-llama"
-    tokenizer = load_tokenizer("sentencepiece")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    # A larger spread of weights than the default init, so that distributions are far from
-    # uniform and differences between prompts (or adapters) show in the log-probabilities.
-    with torch.no_grad():
+    def spread(model: torch.nn.Module) -> None:
+        # A larger spread of weights than the default init, so that distributions are far
+        # from uniform and differences between prompts (or adapters) show in the rows.
         for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.08)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+
+    return save_random_llama(
+        _workdir() / "tiny-llama", load_tokenizer("sentencepiece"), hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, max_positions=MAX_POSITIONS, adjust=spread,
+    )
 
 
 def load_tiny_llama(dtype: torch.dtype = torch.float32):

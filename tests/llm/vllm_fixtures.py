@@ -46,35 +46,21 @@ except ImportError:  # pragma: no cover - torch is a dependency
 
 def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
     """Saves a random fp32 2-layer Llama plus Mistral's 32k tokenizer into ``folder``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+    from transformers import LlamaTokenizer
+
+    from tests.real_tokenizers import mistral_data_dir
+    from tiny_llama import save_random_llama
 
     folder.mkdir(parents=True, exist_ok=True)
-    from tests.real_tokenizers import mistral_data_dir
+    shutil.copy(mistral_data_dir() / "tokenizer.model.v1", folder / "tokenizer.model")
 
-    source = mistral_data_dir() / "tokenizer.model.v1"
-    shutil.copy(source, folder / "tokenizer.model")
-    tokenizer = LlamaTokenizer.from_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=MAX_MODEL_LEN,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    with torch.no_grad():  # larger logits than the default init: sharper distributions
+    def sharpen(model) -> None:  # larger logits than the default init: sharper distributions
         model.lm_head.weight.mul_(20.0)
-    model.save_pretrained(str(folder))
-    return folder
+
+    return save_random_llama(
+        folder, LlamaTokenizer.from_pretrained(str(folder)), hidden_size=128, intermediate_size=256,
+        num_attention_heads=2, num_key_value_heads=1, max_positions=MAX_MODEL_LEN, seed=seed, adjust=sharpen,
+    )
 
 
 def build_lora(base: Path, adapter_dir: Path, merged_dir: Path, seed: int = 1) -> None:
