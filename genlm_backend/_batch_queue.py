@@ -187,7 +187,10 @@ class LoopQueue:
         try:
             self.loop.call_soon_threadsafe(self.finish, batch, results, exc, seconds)
         except RuntimeError:  # the loop was closed while the engine worked
-            self.finish(batch, None, ClosedError("the event loop was closed"), seconds)
+            # Nobody can await its futures any more; a batch that evaluated is still no
+            # failure (early-delivered samples end the loop before their batch ends).
+            closed = None if exc is None else ClosedError("the event loop was closed")
+            self.finish(batch, results, closed, seconds)
 
     def finish(
         self,

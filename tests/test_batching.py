@@ -231,6 +231,33 @@ def test_waiters_of_a_closed_loop_are_failed_not_left_pending():
     batcher.close()
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_batch_that_ends_after_its_loop_closed_counts_as_failed_only_if_it_failed(fails):
+    """Early-delivered results can end a loop while its batch still runs on the engine thread."""
+    release = threading.Event()
+
+    def evaluate(keys):
+        release.wait(5)
+        if fails:
+            raise OSError("boom")
+        return [k * 2 for k in keys]
+
+    batcher = Batcher(evaluate, timeout=10.0)
+
+    async def submit_and_leave():
+        asyncio.ensure_future(batcher.submit(1))
+        await asyncio.sleep(0.05)  # the batch is on the worker thread now
+
+    asyncio.run(submit_and_leave())  # cancels the waiter and closes the loop
+    release.set()
+    deadline = time.monotonic() + 5
+    while batcher.stats.evaluate_s == 0 and batcher.stats.num_failed_batches == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batcher.stats.num_batches == 1
+    assert batcher.stats.num_failed_batches == int(fails)
+    batcher.close()
+
+
 async def test_async_evaluate_is_awaited_on_the_loop():
     seen = []
 

@@ -49,6 +49,8 @@ DEFAULT_ENGINE_OPTS = {
     # sessions on): N=64 took 0.88 s with it off against 1.34 s with it on.
     "async_scheduling": False,
 }
+# The most sampling requests sent to the engine in one call (where ``batch_size`` is lower).
+SAMPLE_BATCH_SIZE = 1024
 
 
 def _require_vllm() -> None:
@@ -70,8 +72,10 @@ class AsyncVirtualLM(AsyncLM):
         llm: a ``vllm.LLM`` built with ``logits_processors=[LogprobsCaptureProcessor]``
             (:meth:`from_name` does this), in this process.
         cache_size, cache_opts, batch_size, timeout, flush: see
-            :class:`~genlm_backend.llm.base.AsyncLM`. ``batch_size`` also bounds the
-            sampling requests sent to the engine in one ``generate``.
+            :class:`~genlm_backend.llm.base.AsyncLM`. ``batch_size`` bounds log-probability
+            batches; sampling requests go to the engine up to ``max(batch_size, 1024)`` at
+            a time, so one ``batch_sample`` is one engine call that vLLM schedules as it
+            sees fit.
         sessions: keep log-probability requests alive as engine sessions that later
             requests extend token by token (True, the default: up to ``max_num_seqs - 1``
             live sessions; an int: at most that many; False or 0: every request is a new
@@ -112,9 +116,11 @@ class AsyncVirtualLM(AsyncLM):
         self._sessions = SessionPool(self._abort, 0, session_idle_batches)
         self.set_sessions(sessions)
         self._runner.on_stall = self._sessions.free_parked
+        # A sampling batch is one engine call that vLLM schedules continuously: capping it at
+        # ``batch_size`` would run the chunks of one ``batch_sample`` one after another.
         self._sample_batcher = Batcher(
             self._evaluate_samples,
-            max_batch_size=max(batch_size, 1),
+            max_batch_size=max(batch_size, SAMPLE_BATCH_SIZE),
             timeout=timeout,
             flush=flush,
             executor=self._engine_thread,
@@ -225,6 +231,9 @@ class AsyncVirtualLM(AsyncLM):
                 "this engine was started without LoRA support: pass engine_opts={'enable_lora': True, "
                 "'max_lora_rank': R} to from_name"
             )
+        refusal = vllm_internals.lora_refusal(self.llm.llm_engine)
+        if refusal is not None:
+            raise InvalidRequestError(refusal)
         request = LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path)
         self._engine_thread.submit(self.llm.llm_engine.add_lora, request).result()
         self._lora_requests[lora_name] = request

@@ -56,6 +56,7 @@ __all__ = [
     "add_session_chunk",
     "is_cuda_oom",
     "is_stalled",
+    "lora_refusal",
     "output_done",
     "supports_sessions",
 ]
@@ -250,6 +251,22 @@ def add_session_chunk(
     core_request.prompt_token_ids = list(request.prompt_token_ids)
     engine.engine_core.add_request(core_request)
     return core_request
+
+
+def lora_refusal(engine: Any) -> str | None:
+    """Why adapters cannot run on this engine, or None.
+
+    vLLM's CUDA LoRA kernels take fp16/bf16 weights only (``lora/ops/triton_ops``:
+    ``assert weight.dtype in [torch.float16, torch.bfloat16]``, 0.26 and 0.32): an fp32 model
+    on a GPU would fail inside an engine step, for the whole batch.
+    """
+    from vllm.platforms import current_platform
+
+    dtype = engine.vllm_config.model_config.dtype
+    if dtype == torch.float32 and current_platform.is_cuda_alike():
+        return ("vLLM's GPU LoRA kernels support float16 and bfloat16 models only; this engine runs "
+                "float32: start it with engine_opts={'dtype': 'bfloat16'} to use adapters")
+    return None
 
 
 def supports_sessions(engine: Any) -> bool:

@@ -38,8 +38,9 @@ def _workdir() -> Path:
 @functools.cache
 def tiny_llama_dir() -> Path:
     """A folder with a random fp32 2-layer Llama and its 32k SentencePiece tokenizer."""
-    from tests.real_tokenizers import load_tokenizer
     from tiny_llama import save_random_llama
+
+    from tests.real_tokenizers import load_tokenizer
 
     def spread(model: torch.nn.Module) -> None:
         # A larger spread of weights than the default init, so that distributions are far

@@ -17,8 +17,8 @@ def test_unknown_backend_is_a_value_error():
 
 
 def test_mock_backend_loads_a_local_tokenizer_folder(tmp_path):
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "a": 1, "b": 2, "ab": 3}
     backend_tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

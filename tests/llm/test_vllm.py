@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora
 
 from genlm_backend.exceptions import EngineError, RequestDroppedError
 
@@ -23,17 +24,11 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]
-ATOL = 1e-4
 
 
 def prompts_of(lengths, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
-
-
-def assert_matches(row, reference):
-    assert row.dtype == torch.float32 and row.shape == reference.shape
-    assert (row - reference).abs().max().item() <= ATOL
 
 
 async def test_next_token_logprobs_equal_a_transformers_forward_pass(vlm, hf_reference):
@@ -63,8 +58,8 @@ async def test_batch_and_sync_twins_agree_with_single_calls(vlm, hf_reference):
     batch = await vlm.batch_next_token_logprobs(prompts)
     sync_batch = vlm.batch_next_token_logprobs_sync(prompts)  # from inside a running loop
     single = vlm.next_token_logprobs_sync(prompts[1])
-    assert torch.equal(batch, sync_batch)
-    assert torch.equal(single, batch[1])
+    assert_same_rows(batch, sync_batch)
+    assert_same_rows(single, batch[1])
     assert_matches(batch[2], hf_reference("base", prompts[2]))
 
 
@@ -79,6 +74,7 @@ async def test_identical_prompts_are_evaluated_once_and_get_private_rows(vlm):
     assert rows[1][0] != 123.0 and torch.equal(rows[1], rows[2])
 
 
+@cpu_lora
 async def test_output_cache_is_per_adapter(vlm, tiny_model_dirs):
     from genlm_backend.cache import OutputCache
 
@@ -112,6 +108,7 @@ async def test_bad_input_fails_only_its_caller(vlm, hf_reference):
     assert vlm.next_token_logprobs_sync([1] * vlm.max_prompt_len).shape == (32000,)
 
 
+@cpu_lora
 def test_lora_matches_the_merged_model(vlm, tiny_model_dirs, hf_reference):
     prompt = prompts_of([13], seed=10)[0]
     vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
@@ -126,6 +123,7 @@ def test_lora_matches_the_merged_model(vlm, tiny_model_dirs, hf_reference):
         vlm.next_token_logprobs_sync(prompt, lora_name="ad")
 
 
+@cpu_lora
 def test_lora_ids_are_hashed_and_collisions_refused(vlm, tiny_model_dirs, monkeypatch):
     assert vlm.hash_to_int("lora_1") == type(vlm).hash_to_int("lora_1")
     assert 1 <= vlm.hash_to_int("x") <= 2**31 - 1
@@ -134,6 +132,19 @@ def test_lora_ids_are_hashed_and_collisions_refused(vlm, tiny_model_dirs, monkey
     monkeypatch.setattr(type(vlm), "hash_to_int", staticmethod(lambda name: vlm._lora_ids["one"]))
     with pytest.raises(ValueError, match="hash to the same id"):
         vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "two")
+
+
+def test_an_fp32_engine_on_a_gpu_refuses_adapters_up_front(vlm, tiny_model_dirs, monkeypatch):
+    """vLLM's CUDA LoRA kernels assert fp16/bf16 weights inside the engine step; the refusal
+    comes at add_new_lora instead, for its caller only."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: True)
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "gpu")
+    assert "gpu" not in vlm._lora_paths
+    monkeypatch.undo()
+    assert vlm.next_token_logprobs_sync([5, 6]).shape == (32000,)
 
 
 def greedy_reference(hf_reference, prompt, steps):
@@ -167,6 +178,16 @@ async def test_seeded_sampling_is_reproducible_and_batched(vlm):
     assert first[0] != first[1]  # same prompt, seeds 42 and 43
     assert await vlm.sample(prompts[0], 8, [], seed=42) == first[0]
     assert all(len(s) == 8 for s in first)
+
+
+async def test_batch_sample_beyond_batch_size_is_one_engine_call(vlm):
+    prompts = prompts_of([4] * (vlm.batch_size + 5), seed=17)
+    before = vlm.stats()
+    samples = await vlm.batch_sample(prompts, 3, [], seed=0)
+    after = vlm.stats()
+    assert len(samples) == len(prompts) and all(len(s) == 3 for s in samples)
+    assert after["sample"]["num_batches"] == before["sample"]["num_batches"] + 1
+    assert after["sample"]["num_failed_batches"] == before["sample"]["num_failed_batches"]
 
 
 async def test_sampling_options(vlm):

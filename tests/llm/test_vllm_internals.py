@@ -11,6 +11,7 @@ import inspect
 
 import pytest
 import torch
+from vllm_fixtures import assert_matches
 
 pytestmark = [
     pytest.mark.vllm,
@@ -150,6 +151,6 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_refere
         assert request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
         assert request.num_computed_tokens == len(context) == len(request.prompt_token_ids)
         row = sink.take(tag)
-        assert (row - hf_reference("base", context)).abs().max().item() <= 1e-4
+        assert_matches(row, hf_reference("base", context))
     vllm_internals.abort_requests(engine, [request_id])
     assert request_id not in scheduler.requests and not engine.has_unfinished_requests()

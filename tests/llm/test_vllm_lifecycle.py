@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from vllm_fixtures import GPU_ENGINE_OPTS, assert_matches
 
 pytestmark = [
     pytest.mark.vllm,
@@ -17,12 +18,13 @@ async def test_cleanup_of_one_engine_leaves_another_working(vllm_lm, tiny_model_
 
     prompt = [5, 900, 31000]
     second = AsyncVirtualLM.from_name(
-        str(tiny_model_dirs["base"]), engine_opts={"dtype": "float32", "max_model_len": 128, "seed": 0}
+        str(tiny_model_dirs["base"]),
+        engine_opts={"dtype": "float32", "max_model_len": 128, "seed": 0, **GPU_ENGINE_OPTS},
     )
     async with second as entered:
         assert entered is second
         row = await second.next_token_logprobs(prompt)
-        assert (row - hf_reference("base", prompt)).abs().max().item() <= 1e-4
+        assert_matches(row, hf_reference("base", prompt))
     assert second.is_closed
     second.cleanup()  # idempotent
     with pytest.raises(RuntimeError, match="cleaned up"):
@@ -32,7 +34,7 @@ async def test_cleanup_of_one_engine_leaves_another_working(vllm_lm, tiny_model_
     with pytest.raises(RuntimeError):
         second.warm_up(prompt)
     # the shared engine in this process is untouched
-    assert (await vllm_lm.next_token_logprobs(prompt) - hf_reference("base", prompt)).abs().max().item() <= 1e-4
+    assert_matches(await vllm_lm.next_token_logprobs(prompt), hf_reference("base", prompt))
     assert len(await vllm_lm.sample(prompt, 3, [], seed=0)) == 3
 
 

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from vllm_fixtures import assert_matches, cpu_lora
 
 from genlm_backend.exceptions import EngineError, InvalidRequestError
 
@@ -21,17 +22,11 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]
-ATOL = 1e-4
 
 
 def contexts_of(lengths, seed):
     rng = random.Random(seed)
     return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
-
-
-def assert_matches(row, reference):
-    assert row.dtype == torch.float32 and row.shape == reference.shape
-    assert (row - reference).abs().max().item() <= ATOL
 
 
 async def lockstep(vlm, contexts, num_steps, lora_name=None):
@@ -159,6 +154,7 @@ async def test_a_cancelled_caller_leaves_the_others_and_the_sessions_usable(vlm,
         assert_matches(row, hf_reference("base", context))
 
 
+@cpu_lora
 async def test_sessions_are_kept_apart_per_adapter(vlm, hf_reference, tiny_model_dirs):
     vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
     context = contexts_of([8], seed=38)[0]

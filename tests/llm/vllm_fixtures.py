@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -35,21 +36,44 @@ ENGINE_OPTS = {
     "max_loras": 2,
     "seed": 0,
 }
-try:  # on a GPU machine: several small engines share one device, and compiling is wasted
-    import torch
 
-    if torch.cuda.is_available():
-        ENGINE_OPTS.update(gpu_memory_utilization=0.15, enforce_eager=True)
-except ImportError:  # pragma: no cover - torch is a dependency
-    pass
+# On a GPU machine several small engines share one device, and compiling is wasted.
+GPU_ENGINE_OPTS = {"gpu_memory_utilization": 0.15, "enforce_eager": True} if torch.cuda.is_available() else {}
+ENGINE_OPTS.update(GPU_ENGINE_OPTS)
+
+
+ON_GPU = torch.cuda.is_available()
+# Rows against the fp32 transformers reference on the CPU. On CPU: the issue's bar, 1e-4
+# (measured about 1e-5). On CUDA, vLLM computes this fp32 model with its GPU kernels (Triton
+# attention, whose fp32 dot products default to TF32): measured 0.6-1.1e-2 on an H100 with
+# vLLM 0.26.
+ROW_ATOL = 2e-2 if ON_GPU else 1e-4
+# vLLM's CUDA LoRA kernels take fp16/bf16 weights only (``lora/ops/triton_ops``, 0.26 and
+# 0.32); the LoRA tests compare an fp32 model against its merged twin, so they run on CPU.
+cpu_lora = pytest.mark.skipif(ON_GPU, reason="vLLM's CUDA LoRA kernels refuse fp32 weights")
+
+
+def assert_matches(row, reference, atol: float = ROW_ATOL) -> None:
+    """``row`` is an fp32 row of ``reference``'s shape within ``atol`` (compared on the CPU)."""
+    assert row.dtype == reference.dtype == torch.float32 and row.shape == reference.shape
+    assert (row.cpu() - reference.cpu()).abs().max().item() <= atol
+
+
+def assert_same_rows(a, b) -> None:
+    """Rows of one context computed in different batches: identical on CPU; on CUDA the
+    kernels depend on the batch's shape, so within float rounding."""
+    if ON_GPU:
+        assert (a.cpu() - b.cpu()).abs().max().item() <= 1e-3
+    else:
+        assert torch.equal(a, b)
 
 
 def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
     """Saves a random fp32 2-layer Llama plus Mistral's 32k tokenizer into ``folder``."""
+    from tiny_llama import save_random_llama
     from transformers import LlamaTokenizer
 
     from tests.real_tokenizers import mistral_data_dir
-    from tiny_llama import save_random_llama
 
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(mistral_data_dir() / "tokenizer.model.v1", folder / "tokenizer.model")
