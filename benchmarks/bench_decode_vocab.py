@@ -9,7 +9,7 @@ space and ``<0xXY>`` -> byte), the way byte vocabularies are commonly built. Tar
 
 Run from the repository root::
 
-    python -m benchmarks.bench_decode_vocab [--repeats 5] [--out DIR]
+    python -m benchmarks.bench_decode_vocab [--repeats 5] [--out DIR] [--family sentencepiece|tekken]
 """
 
 from __future__ import annotations
@@ -56,10 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="results folder")
+    parser.add_argument("--family", choices=[f for f, _ in WORKLOADS], action="append", default=None,
+                        help="only this vocabulary (repeatable; default: both)")
     args = parser.parse_args(argv)
 
     rows = []
     for family, label in WORKLOADS:
+        if args.family and family not in args.family:
+            continue
         tokenizer = load_tokenizer(family)
         gc.collect()
         ours = measure(lambda tok=tokenizer: decode_vocab(tok), repeats=args.repeats)
@@ -85,10 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     largest = max((r for r in rows if r["method"] == "decode_vocab"), key=lambda r: r["size"])
     verdict = "meets" if largest["median_s"] < TARGET_S else "MISSES"
-    print(
-        f"\n{largest['vocabulary']}: median {largest['median_s']:.3f} s, {verdict} the "
-        f"{TARGET_S} s target"
-    )
+    target = f"{verdict} the {TARGET_S} s target" if largest["size"] >= 131072 else "(the target is for 131k)"
+    print(f"\n{largest['vocabulary']}: median {largest['median_s']:.3f} s, {target}")
     # other processes on a small machine stretch every time: record how busy it was
     load_1m = os.getloadavg()[0]
     print(f"1-minute load average {load_1m:.2f} on {os.cpu_count()} CPUs")

@@ -2,9 +2,11 @@
 
 Measures, per vocabulary: trie construction (sequential and parallel), sequential
 ``weight_sum`` / ``weight_max`` (float32 torch input, as constrained samplers pass it),
-parallel CPU ``batch_weight_sum`` with B=1 and B=64 and ``batch_weight_max`` with B=64,
-64 concurrent awaits of the async trie, and, when ``torch.cuda.is_available()``, the GPU
-``batch_weight_sum`` / ``batch_weight_max`` with B=1 and B=64 for both parallel strategies.
+parallel CPU ``batch_weight_sum`` with B=1 and B=64 and ``batch_weight_max`` with B=64
+(on the compiled kernel where it was built, and again on the torch/numpy fallback, rows
+``parallel cpu fallback ...``, in the same run), 64 concurrent awaits of the async trie,
+and, when ``torch.cuda.is_available()``, the GPU ``batch_weight_sum`` / ``batch_weight_max``
+with B=1 and B=64 for both parallel strategies.
 Every workload is seeded, warmed up once and repeated; the table gives the median with min
 and max, the target where the issue sets one, and the ratio against a floor measured in the
 same run: allocating and writing an output of the same shape (``[B, num_nodes]`` float32; on
@@ -34,7 +36,10 @@ vocabularies here, in the repository root, and carry the folder along::
 Run::
 
     python benchmarks/bench_trie.py [--quick] [--out DIR] [--vocab-dir DIR] [--save-vocab DIR]
-                                    [--family sentencepiece|tekken] [--threads N]
+                                    [--family sentencepiece|tekken] [--threads N] [--no-kernel]
+
+The compiled kernel shares rows out between ``torch.get_num_threads()`` threads: set
+``OMP_NUM_THREADS`` (or ``--threads``) to say how many.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from genlm_backend.trie import (
     AsyncTokenCharacterTrie,
     ParallelTokenCharacterTrie,
     TokenCharacterTrie,
+    _compiled,
 )
 from genlm_backend.trie._memory import empty_cpu
 
@@ -211,12 +217,16 @@ def bench_vocab(family: str, vocab: list, rows: list, quick: bool) -> None:
     )
 
     parallel = ParallelTokenCharacterTrie(vocab, device="cpu")
-    for b, floor in ((1, floor1), (64, floor64)):
-        ws = batch[:b]
-        stats = measure(lambda ws=ws: parallel.batch_weight_sum(ws), repeats=reps)
-        rows.append(row(family, f"parallel cpu batch_weight_sum B={b}", stats, floor))
-    stats = measure(lambda: parallel.batch_weight_max(logs), repeats=reps)
-    rows.append(row(family, "parallel cpu batch_weight_max B=64", stats, floor64))
+    tries = [("parallel cpu", parallel)]
+    if _compiled.KERNEL is not None:  # the same workloads without the kernel, for the ratio
+        tries.append(("parallel cpu fallback", fallback_trie(vocab)))
+    for name, trie_ in tries:
+        for b, floor in ((1, floor1), (64, floor64)):
+            ws = batch[:b]
+            stats = measure(lambda t=trie_, ws=ws: t.batch_weight_sum(ws), repeats=reps)
+            rows.append(row(family, f"{name} batch_weight_sum B={b}", stats, floor))
+        stats = measure(lambda t=trie_: t.batch_weight_max(logs), repeats=reps)
+        rows.append(row(family, f"{name} batch_weight_max B=64", stats, floor64))
     rows.append(
         row(
             family,
@@ -228,6 +238,15 @@ def bench_vocab(family: str, vocab: list, rows: list, quick: bool) -> None:
 
     if torch.cuda.is_available():
         bench_gpu(family, vocab, batch, rows, reps)
+
+
+def fallback_trie(vocab: list) -> ParallelTokenCharacterTrie:
+    """A CPU trie built as if the compiled kernel were missing (its torch/numpy path)."""
+    kernel, _compiled.KERNEL = _compiled.KERNEL, None
+    try:
+        return ParallelTokenCharacterTrie(vocab, device="cpu")
+    finally:
+        _compiled.KERNEL = kernel
 
 
 def bench_async(trie, batch, reps: int) -> dict:
@@ -303,9 +322,16 @@ def main() -> None:
         default=None,
         help="torch.set_num_threads for the CPU workloads (default: torch's)",
     )
+    parser.add_argument(
+        "--no-kernel",
+        action="store_true",
+        help="run the CPU tries on their torch/numpy path even where the kernel was built",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_kernel:
+        _compiled.KERNEL = None
     torch.manual_seed(0)
     rows: list = []
     sources = {}
@@ -337,7 +363,12 @@ def main() -> None:
     )
     path = write_json(
         "w3_trie",
-        {"rows": rows, "vocab_sources": sources, "torch_threads": torch.get_num_threads()},
+        {
+            "rows": rows,
+            "vocab_sources": sources,
+            "torch_threads": torch.get_num_threads(),
+            "compiled_kernel": _compiled.KERNEL is not None,
+        },
         args.out,
     )
     print(f"wrote {path}")

@@ -94,39 +94,46 @@ def build_model(args: argparse.Namespace) -> Any:
 # ---- the workload ----------------------------------------------------------------------
 
 
-def sample_rows(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of ``logprobs`` (``[V]`` or ``[N, V]``), drawn on their device."""
+def sample_rows(logprobs: torch.Tensor, generator: torch.Generator, sampler: str = "cdf") -> torch.Tensor:
+    """One token per row of ``logprobs`` (``[V]`` or ``[N, V]``), drawn on their device:
+    ``cdf`` by inverse CDF, ``race`` by the exponential race (``argmax p_i / E_i`` with
+    ``E_i ~ Exp(1)``: fewer kernel launches, which is what a per-row GPU draw pays for)."""
+    if sampler == "race":
+        noise = torch.empty_like(logprobs).exponential_(generator=generator)
+        return torch.argmax(logprobs.exp().div_(noise), dim=-1, keepdim=True)
     cdf = logprobs.exp().cumsum(-1)
     u = torch.rand(cdf.shape[:-1] + (1,), device=cdf.device, generator=generator) * cdf[..., -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
 
 
 async def _particle(
-    lm: AsyncTransformer, prompt: list[int], num_steps: int, generator: torch.Generator
+    lm: AsyncTransformer, prompt: list[int], num_steps: int, generator: torch.Generator, sampler: str
 ) -> list[int]:
     context = list(prompt)
     for _ in range(num_steps):
         logprobs = await lm.next_token_logprobs(context)
-        context.append(int(sample_rows(logprobs, generator)))
+        context.append(int(sample_rows(logprobs, generator, sampler)))
     return context
 
 
 def run_w1(
-    lm: AsyncTransformer, prompt: list[int], num_particles: int, num_steps: int, seed: int
+    lm: AsyncTransformer, prompt: list[int], num_particles: int, num_steps: int, seed: int,
+    sampler: str = "cdf",
 ) -> list[list[int]]:
     lm.clear_kv_cache()
     generator = torch.Generator(device=lm.device).manual_seed(seed)
 
     async def main() -> list[list[int]]:
         return await asyncio.gather(
-            *(_particle(lm, prompt, num_steps, generator) for _ in range(num_particles))
+            *(_particle(lm, prompt, num_steps, generator, sampler) for _ in range(num_particles))
         )
 
     return asyncio.run(main())
 
 
 def run_floor(
-    model: Any, prompt: list[int], num_particles: int, num_steps: int, seed: int, device: str
+    model: Any, prompt: list[int], num_particles: int, num_steps: int, seed: int, device: str,
+    sampler: str = "cdf",
 ) -> list[list[int]]:
     from transformers import DynamicCache
 
@@ -140,7 +147,7 @@ def run_floor(
         logprobs = out.logits[:, -1].float().log_softmax(-1).expand(num_particles, -1)
         sampled = []
         for step in range(num_steps):
-            tokens = sample_rows(logprobs, generator)
+            tokens = sample_rows(logprobs, generator, sampler)
             sampled.append(tokens.view(-1).tolist())
             if step == num_steps - 1:
                 break
@@ -150,14 +157,14 @@ def run_floor(
     return [list(prompt) + [s[i] for s in sampled] for i in range(num_particles)]
 
 
-def time_sampling(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int) -> float:
+def time_sampling(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int, sampler: str = "cdf") -> float:
     """Seconds for N*T one-row samplings as W1's particles do them, on stored rows."""
     generator = torch.Generator(device=rows.device).manual_seed(seed)
     _sync(rows.device)
     start = time.perf_counter()
     for _ in range(num_steps):
         for i in range(num_particles):
-            int(sample_rows(rows[i % rows.shape[0]], generator))
+            int(sample_rows(rows[i % rows.shape[0]], generator, sampler))
     return time.perf_counter() - start
 
 
@@ -197,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampler", choices=["cdf", "race"], default="cdf",
+                        help="how particles and the floor draw tokens (see sample_rows)")
     parser.add_argument(
         "--max-kv-cache-bytes",
         type=int,
@@ -225,10 +234,10 @@ def measure(
     lm = AsyncTransformer(model, None, batch_size=max(num_particles, 1), **opts)
 
     def backend() -> None:
-        run_w1(lm, prompt, num_particles, args.steps, args.seed)
+        run_w1(lm, prompt, num_particles, args.steps, args.seed, args.sampler)
 
     def floor() -> None:
-        run_floor(model, prompt, num_particles, args.steps, args.seed, args.device)
+        run_floor(model, prompt, num_particles, args.steps, args.seed, args.device, args.sampler)
 
     try:
         for _ in range(args.warmup):
@@ -246,7 +255,7 @@ def measure(
     vocab = model.get_output_embeddings().weight.shape[0]
     sample_rows = torch.randn(min(num_particles, 64), vocab, device=args.device).log_softmax(-1)
     sample_s = statistics.median(
-        time_sampling(sample_rows, num_particles, args.steps, args.seed) for _ in range(2)
+        time_sampling(sample_rows, num_particles, args.steps, args.seed, args.sampler) for _ in range(2)
     )
     gc.collect()
     if args.device == "cuda":

@@ -26,6 +26,7 @@ import json
 import asyncio
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -76,15 +77,39 @@ def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.
 
 
 def draw(row: torch.Tensor, generator: torch.Generator, sampler: str) -> int:
-    """One token from the log-probability row: ``torch.multinomial`` (about 1 ms for a 32k row
-    on one CPU core), or ``cdf``: inverse-CDF sampling, ``searchsorted`` of a uniform draw in
-    the cumulative probabilities (the same distribution, about 70 us)."""
+    """One token from the log-probability row, on the row's device, by one of three exact
+    samplers: ``multinomial`` (``torch.multinomial``: about 1 ms for a 32k row on one CPU
+    core); ``cdf``, inverse-CDF sampling (``searchsorted`` of a uniform draw in the
+    cumulative probabilities, about 70 us there); ``race``, the exponential race
+    (``argmax p_i / E_i`` with ``E_i ~ Exp(1)``, the trick vLLM's own sampler uses: four
+    kernels, the fewest launches on a GPU)."""
+    if sampler == "race":
+        noise = torch.empty_like(row).exponential_(generator=generator)
+        return int(torch.argmax(row.exp().div_(noise)))
     probs = row.exp()
     if sampler == "multinomial":
         return int(torch.multinomial(probs, 1, generator=generator))
     cdf = probs.cumsum(0)
     u = torch.rand(1, generator=generator, device=row.device) * cdf[-1]
     return int(torch.searchsorted(cdf, u).clamp_(max=row.numel() - 1))
+
+
+def time_draws(vocab_size: int, n: int, steps: int, seed: int, sampler: str, gpu: bool) -> float:
+    """Seconds that W1's N*T one-row draws take alone, on stored rows (a cost of the
+    workload's sampling, not of the backend)."""
+    device = "cuda" if gpu else "cpu"
+    rows = torch.randn(min(n, 64), vocab_size, device=device).log_softmax(-1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    times = []
+    for _ in range(2):
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            for i in range(n):
+                draw(rows[i % rows.shape[0]], generator, sampler)
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 async def lockstep_smc(lm, prompt: list[int], num_particles: int, num_steps: int, seed: int,
@@ -132,8 +157,12 @@ def run(args: argparse.Namespace) -> dict:
     prompt = [rng.randrange(1000, lm.vocab_size) for _ in range(args.prompt_len)]
     rows = []
     for n in args.particles:
+        engine_times: list[float] = []
+
         def ours() -> None:
+            before = lm.stats()["evaluate_s"]
             asyncio.run(lockstep_smc(lm, prompt, n, args.steps, args.seed, args.sampler))
+            engine_times.append(lm.stats()["evaluate_s"] - before)
 
         def nosess() -> None:
             lm.set_sessions(False)
@@ -160,6 +189,10 @@ def run(args: argparse.Namespace) -> dict:
         summary = {name: summarise(t) for name, t in times.items()}
         floor_s = summary["floor"]["median_s"]
         row = {"N": n, "T": args.steps, "floor_s": floor_s, **summary}
+        if "ours" in summary:  # where the time of a run goes: engine calls, draws, the rest
+            row["engine_s"] = statistics.median(engine_times[1:] or engine_times)
+            row["sample_s"] = time_draws(lm.vocab_size, n, args.steps, args.seed, args.sampler, args.gpu)
+            row["other_us_per_request"] = 1e6 * (summary["ours"]["median_s"] - row["engine_s"] - row["sample_s"]) / (n * args.steps)
         for name in summary:
             if name != "floor":
                 suffix = "" if name == "ours" else f"_{name}"
@@ -174,7 +207,7 @@ def run(args: argparse.Namespace) -> dict:
             "stats": stats}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="W1 lockstep SMC on AsyncVirtualLM vs vLLM's decode loop")
     parser.add_argument("--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA")
     parser.add_argument("--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)")
@@ -184,7 +217,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="default: 128 on GPU, 32 on CPU")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", choices=("multinomial", "cdf"), default="multinomial",
+    parser.add_argument("--sampler", choices=("multinomial", "cdf", "race"), default="multinomial",
                         help="how a particle draws its token from the row (client-side cost)")
     parser.add_argument("--sessions", choices=("on", "off", "both"), default="both",
                         help="time engine sessions on (ours), off (nosess) or both, interleaved")
@@ -192,19 +225,27 @@ def main() -> None:
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="extra vllm.LLM option (VALUE parsed as JSON when it can be); repeatable")
     parser.add_argument("--out-dir", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 32 if args.gpu else 8
     if args.prompt_len is None:
         args.prompt_len = 128 if args.gpu else 32
     if args.gpu and args.tokenizer_dir is None:
         parser.error("--gpu needs --tokenizer-dir (run benchmarks/prepare_gpu_assets.py)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs W1 with the command-line flags ``argv``, prints the table, writes the JSON."""
+    args = parse_args(argv)
     result = run(args)
-    columns = [c for c in ("N", "T", "wall_s", "wall_s_nosess", "floor_s", "ratio", "ratio_nosess")
+    columns = [c for c in ("N", "T", "wall_s", "wall_s_nosess", "floor_s", "ratio", "ratio_nosess", "engine_s",
+                           "sample_s", "other_us_per_request")
                if c in result["rows"][0]]
     print_table(result["rows"], columns)
     name = "w1_vllm_gpu" if args.gpu else "w1_vllm_cpu"
     print("wrote", write_json(name, result, args.out_dir))
+    return result
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..exceptions import InvalidRequestError
+from . import _compiled
 from ._memory import empty_cpu
 from ._plan import flat_plan
 from ._weights import WeightsInfo, check_weights
@@ -44,10 +45,17 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     ``[B, num_nodes]``; on the ``levels`` strategy they are the transpose of a node-major
     buffer, so rows are strided views (call ``.contiguous()`` if you need dense rows).
 
-    Strategies (both give the same values; ``"auto"`` picks per device):
-        * ``"levels"`` (auto on CPU): one scatter per depth of the trie, over a node-major
-          ``[nodes, B]`` buffer. With ``"auto"``, CPU batches of at most 4 rows run row by
-          row on the sequential trie's numpy kernels instead (faster, one thread).
+    Strategies (all give the same values; ``"auto"`` picks per device):
+        * ``"auto"`` on the CPU uses the compiled kernel ``genlm_backend.trie._kernel``
+          when ``pip install`` could build it (see :mod:`~genlm_backend.trie._compiled`):
+          one branch-free pass per row straight into a dense ``[B, num_nodes]`` result,
+          rows shared out between ``torch.get_num_threads()`` threads (so
+          ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` apply), the GIL released.
+          Without it, ``"auto"`` on the CPU means
+          ``"levels"``, except that batches of at most 4 rows run row by row on the
+          sequential trie's numpy kernels (faster, one thread).
+        * ``"levels"``: one scatter per depth of the trie, over a node-major
+          ``[nodes, B]`` buffer.
         * ``"flat"`` (auto on accelerators): a few gathers and segmented reductions over
           ``[B, items]`` buffers (see :class:`~genlm_backend.trie._plan.FlatPlan`), so the
           number of kernel launches does not grow with the depth of the trie.
@@ -75,6 +83,8 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         self.device = None if device is None else torch.device(device)
         self._flat = None
         self._kernels: dict[tuple[str, str], Any] = {}
+        # decided once per trie, so a test or a benchmark can build one without the kernel
+        self._use_compiled = strategy == "auto" and _compiled.KERNEL is not None
         if self.device is not None:
             self._kernel_for(self.device)  # fail now if the device is unusable
 
@@ -104,6 +114,7 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         if (
             device.type == "cpu"
             and self.strategy == "auto"
+            and not self._use_compiled
             and (not batched or arr.shape[0] <= _NUMPY_MAX_BATCH)
         ):  # a few rows: the numpy kernels beat a scatter per level, and use one thread
             kernel = self._numpy_kernels.sum if op == "sum" else self._numpy_kernels.max
@@ -132,11 +143,16 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
                 device = torch.device("cuda", torch.cuda.current_device())
         strategy = self.strategy
         if strategy == "auto":
-            strategy = "levels" if device.type == "cpu" else "flat"
+            if device.type != "cpu":
+                strategy = "flat"
+            else:
+                strategy = "compiled" if self._use_compiled else "levels"
         key = (str(device), strategy)
         kernel = self._kernels.get(key)
         if kernel is None:
-            if strategy == "levels":
+            if strategy == "compiled":
+                kernel = _compiled.compiled_plan(self._layout)
+            elif strategy == "levels":
                 kernel = _LevelKernel(self, device)
             else:
                 if self._flat is None:

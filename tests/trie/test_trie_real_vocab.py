@@ -57,7 +57,7 @@ def test_real_vocabulary(byte_vocab, family):
     np.testing.assert_array_equal(sums[leaf_ids], ws[positions])
 
     batch = np.stack([ws, -ws, np.abs(ws)])
-    for strategy in ("levels", "flat"):
+    for strategy in ("levels", "flat", "auto"):  # auto: the compiled kernel, if built
         parallel = ParallelTokenCharacterTrie(vocab, strategy=strategy)
         got = parallel.batch_weight_sum(torch.from_numpy(batch))
         np.testing.assert_allclose(got[0].numpy(), sums, rtol=0, atol=1e-9 * scale.max())

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 import genlm_backend.trie.parallel as parallel_module
 from genlm_backend.exceptions import InvalidRequestError, InvalidRequestTypeError
 from genlm_backend.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
+from tests.trie.paths import parallel_trie
 from tests.trie.reference import reference
 from tests.trie.strategies import vocab_and_weights
 
@@ -101,7 +102,8 @@ TRIES = [
     lambda v: TokenCharacterTrie(v),
     lambda v: ParallelTokenCharacterTrie(v, strategy="levels"),
     lambda v: ParallelTokenCharacterTrie(v, strategy="flat"),
-    lambda v: ParallelTokenCharacterTrie(v, device="cpu"),
+    lambda v: ParallelTokenCharacterTrie(v, device="cpu"),  # the compiled kernel, if built
+    lambda v: parallel_trie(v, "fallback", device="cpu"),
 ]
 
 
