@@ -256,6 +256,41 @@ async def test_an_engine_error_fails_its_batch_and_the_model_keeps_working(vlm):
     assert (await vlm.next_token_logprobs(prompts[0])).shape == (32000,)
 
 
+async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_engine_usable(
+    vlm, hf_reference, monkeypatch
+):
+    """The model's own step raising (here: the capture processor, once) fails that batch's
+    callers; later requests, sampling and a direct ``generate`` all work and nothing hangs."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from genlm_backend.llm import vllm_internals
+
+    original = vllm_internals.LogprobsCaptureProcessor.apply
+    calls = []
+
+    def fail_once(self, logits):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure inside the engine step")
+        return original(self, logits)
+
+    monkeypatch.setattr(vllm_internals.LogprobsCaptureProcessor, "apply", fail_once)
+    prompts = prompts_of([3, 4, 5], seed=18)
+    failed = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True)
+    assert all(isinstance(r, EngineError) for r in failed)
+    monkeypatch.undo()
+    for prompt, row in zip(prompts, await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))):
+        assert_matches(row, hf_reference("base", prompt))
+    assert len(await vlm.sample(prompts[0], 3, [], seed=0)) == 3
+    vlm.close_sessions()
+    out = await asyncio.wait_for(
+        asyncio.to_thread(vlm.underlying_model.generate, [TokensPrompt(prompt_token_ids=[5, 6, 7])],
+                          SamplingParams(max_tokens=2), use_tqdm=False),
+        timeout=120,
+    )
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_warm_up_primes_the_prefix_cache(vlm):
     block_size = vlm.underlying_model.llm_engine.vllm_config.cache_config.block_size
     prefix = prompts_of([2 * block_size + 8], seed=18)[0]
