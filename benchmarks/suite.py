@@ -52,8 +52,14 @@ class Workload:
 QUICK_ENGINE = ["--engine-opt", "enforce_eager=true"]
 
 
+# The particles' draw: inverse CDF is the cheapest on a CPU, the exponential race (fewest
+# kernel launches) on a GPU; see `draw` in bench_w1_vllm.py.
+def _sampler(o: argparse.Namespace) -> list[str]:
+    return ["--sampler", "race" if o.gpu else "cdf"]
+
+
 def _w1_vllm_argv(o: argparse.Namespace) -> list[str]:
-    argv = ["--sampler", "cdf", "--out-dir", str(o.out_dir)]
+    argv = [*_sampler(o), "--out-dir", str(o.out_dir)]
     if o.quick:
         argv += shlex.split("--particles 1 8 --steps 4 --prompt-len 16 --repeats 2") + QUICK_ENGINE
     if o.gpu:
@@ -62,7 +68,7 @@ def _w1_vllm_argv(o: argparse.Namespace) -> list[str]:
 
 
 def _w1_hf_argv(o: argparse.Namespace) -> list[str]:
-    argv = ["--device", "cuda" if o.gpu else "cpu", "--out", str(o.out_dir)]
+    argv = ["--device", "cuda" if o.gpu else "cpu", *_sampler(o), "--out", str(o.out_dir)]
     if o.quick:
         argv += shlex.split("--particles 1,8 --steps 8 --prompt-len 16 --repeats 2")
     return argv
