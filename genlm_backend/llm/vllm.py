@@ -32,7 +32,7 @@ try:
 
     from . import vllm_internals
     from .vllm_engine import EngineJob, EngineRunner
-    from .vllm_sampling import build_sampling_params, stop_ids_of, strip_at_eos
+    from .vllm_sampling import build_sampling_params, samples_of, submit_with_early_delivery
     from .vllm_sessions import SessionPool
 except ImportError as _exc:  # pragma: no cover - exercised only without vllm
     vllm = None
@@ -312,33 +312,10 @@ class AsyncVirtualLM(AsyncLM):
             seed=seed,
             options=options,
         )
-        stop_ids = stop_ids_of(params)
-        many = params.n > 1
-
-        def convert(output: Any) -> Any:
-            samples = [strip_at_eos(c.token_ids, stop_ids) for c in sorted(output.outputs, key=lambda c: c.index)]
-            return samples if many else samples[0]
-
-        return EngineJob(request.token_ids, params, convert, self._lora_request(request.lora_name))
+        return EngineJob(request.token_ids, params, samples_of(params), self._lora_request(request.lora_name))
 
     async def _submit_sample(self, job: EngineJob) -> Any:
-        loop = asyncio.get_running_loop()
-        early = loop.create_future()
-
-        def deliver(result: Any) -> None:
-            loop.call_soon_threadsafe(_settle, early, result)
-
-        job.deliver = deliver
-        task = loop.create_task(self._sample_batcher.submit(job))
-        task.add_done_callback(lambda t: t.cancelled() or _settle(early, t.exception() or t.result()))
-        try:
-            result = await early
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return await submit_with_early_delivery(self._sample_batcher, job)
 
     def _evaluate_samples(self, jobs: list[EngineJob]) -> list[Any]:
         return self._runner.run(jobs)
@@ -396,15 +373,6 @@ class AsyncVirtualLM(AsyncLM):
             self._engine_thread.submit(vllm_internals.shutdown, llm).result(timeout=60)
         except Exception:  # noqa: BLE001 - the engine thread is gone: shut down here
             vllm_internals.shutdown(llm)
-
-
-def _settle(future: asyncio.Future, result: Any) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
 
 
 def _hf_tokenizer(llm: Any) -> Any:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..exceptions import InvalidRequestError, InvalidRequestTypeError
 
-__all__ = ["SAMPLING_OPTIONS", "build_sampling_params", "strip_at_eos"]
+__all__ = [
+    "SAMPLING_OPTIONS",
+    "build_sampling_params",
+    "samples_of",
+    "strip_at_eos",
+    "submit_with_early_delivery",
+]
 
 # Options callers may pass to ``sample``/``batch_sample`` besides the contract's arguments.
 SAMPLING_OPTIONS = (
@@ -106,3 +113,49 @@ def _structured_outputs(regex: str | None, json_schema: Any) -> Any:
         return StructuredOutputsParams(regex=regex)
     # Compact JSON: no free whitespace between tokens, so a token budget is not spent on it.
     return StructuredOutputsParams(json=json_schema, disable_any_whitespace=True)
+
+
+def samples_of(params: Any) -> Callable[[Any], Any]:
+    """``RequestOutput -> result`` for a request sampled with ``params``: the token list cut
+    at the first stop id (a list of them, in order, when ``params.n > 1``)."""
+    stop_ids = stop_ids_of(params)
+    many = params.n > 1
+
+    def convert(output: Any) -> Any:
+        ordered = sorted(output.outputs, key=lambda c: c.index)
+        samples = [strip_at_eos(c.token_ids, stop_ids) for c in ordered]
+        return samples if many else samples[0]
+
+    return convert
+
+
+async def submit_with_early_delivery(batcher: Any, job: Any) -> Any:
+    """Submits ``job`` to ``batcher`` and returns its result as soon as the engine hands it
+    over through ``job.deliver``, not when the whole batch ends. Cancelling the caller
+    cancels its submission only."""
+    loop = asyncio.get_running_loop()
+    early = loop.create_future()
+
+    def deliver(result: Any) -> None:
+        loop.call_soon_threadsafe(_settle, early, result)
+
+    job.deliver = deliver
+    task = loop.create_task(batcher.submit(job))
+    task.add_done_callback(lambda t: t.cancelled() or _settle(early, t.exception() or t.result()))
+    try:
+        result = await early
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _settle(future: asyncio.Future, result: Any) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
