@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_table, summarise, write_json
+from benchmarks.particles import sample_rows, time_draws
 from genlm_backend.llm.hf import AsyncTransformer
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -92,18 +93,6 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 # ---- the workload ----------------------------------------------------------------------
-
-
-def sample_rows(logprobs: torch.Tensor, generator: torch.Generator, sampler: str = "cdf") -> torch.Tensor:
-    """One token per row of ``logprobs`` (``[V]`` or ``[N, V]``), drawn on their device:
-    ``cdf`` by inverse CDF, ``race`` by the exponential race (``argmax p_i / E_i`` with
-    ``E_i ~ Exp(1)``: fewer kernel launches, which is what a per-row GPU draw pays for)."""
-    if sampler == "race":
-        noise = torch.empty_like(logprobs).exponential_(generator=generator)
-        return torch.argmax(logprobs.exp().div_(noise), dim=-1, keepdim=True)
-    cdf = logprobs.exp().cumsum(-1)
-    u = torch.rand(cdf.shape[:-1] + (1,), device=cdf.device, generator=generator) * cdf[..., -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
 
 
 async def _particle(
@@ -157,17 +146,6 @@ def run_floor(
     return [list(prompt) + [s[i] for s in sampled] for i in range(num_particles)]
 
 
-def time_sampling(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int, sampler: str = "cdf") -> float:
-    """Seconds for N*T one-row samplings as W1's particles do them, on stored rows."""
-    generator = torch.Generator(device=rows.device).manual_seed(seed)
-    _sync(rows.device)
-    start = time.perf_counter()
-    for _ in range(num_steps):
-        for i in range(num_particles):
-            int(sample_rows(rows[i % rows.shape[0]], generator, sampler))
-    return time.perf_counter() - start
-
-
 def _sync(device: Any) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -205,7 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sampler", choices=["cdf", "race"], default="cdf",
-                        help="how particles and the floor draw tokens (see sample_rows)")
+                        help="how particles and the floor draw tokens (see benchmarks.particles)")
     parser.add_argument(
         "--max-kv-cache-bytes",
         type=int,
@@ -253,9 +231,9 @@ def measure(
         lm.cleanup()
     wall, floor_summary = summarise(wall_times), summarise(floor_times)
     vocab = model.get_output_embeddings().weight.shape[0]
-    sample_rows = torch.randn(min(num_particles, 64), vocab, device=args.device).log_softmax(-1)
+    stored = torch.randn(min(num_particles, 64), vocab, device=args.device).log_softmax(-1)
     sample_s = statistics.median(
-        time_sampling(sample_rows, num_particles, args.steps, args.seed, args.sampler) for _ in range(2)
+        time_draws(stored, num_particles, args.steps, args.seed, args.sampler) for _ in range(2)
     )
     gc.collect()
     if args.device == "cuda":

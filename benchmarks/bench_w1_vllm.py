@@ -39,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from benchmarks.common import print_table, summarise, write_json  # noqa: E402
+from benchmarks.particles import SAMPLERS, sample_rows, time_draws  # noqa: E402
 
 GPU_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=8192)
@@ -77,39 +78,8 @@ def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.
 
 
 def draw(row: torch.Tensor, generator: torch.Generator, sampler: str) -> int:
-    """One token from the log-probability row, on the row's device, by one of three exact
-    samplers: ``multinomial`` (``torch.multinomial``: about 1 ms for a 32k row on one CPU
-    core); ``cdf``, inverse-CDF sampling (``searchsorted`` of a uniform draw in the
-    cumulative probabilities, about 70 us there); ``race``, the exponential race
-    (``argmax p_i / E_i`` with ``E_i ~ Exp(1)``, the trick vLLM's own sampler uses: four
-    kernels, the fewest launches on a GPU)."""
-    if sampler == "race":
-        noise = torch.empty_like(row).exponential_(generator=generator)
-        return int(torch.argmax(row.exp().div_(noise)))
-    probs = row.exp()
-    if sampler == "multinomial":
-        return int(torch.multinomial(probs, 1, generator=generator))
-    cdf = probs.cumsum(0)
-    u = torch.rand(1, generator=generator, device=row.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, u).clamp_(max=row.numel() - 1))
-
-
-def time_draws(vocab_size: int, n: int, steps: int, seed: int, sampler: str, gpu: bool) -> float:
-    """Seconds that W1's N*T one-row draws take alone, on stored rows (a cost of the
-    workload's sampling, not of the backend)."""
-    device = "cuda" if gpu else "cpu"
-    rows = torch.randn(min(n, 64), vocab_size, device=device).log_softmax(-1)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    times = []
-    for _ in range(2):
-        if gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            for i in range(n):
-                draw(rows[i % rows.shape[0]], generator, sampler)
-        times.append(time.perf_counter() - start)
-    return min(times)
+    """One token from the log-probability row (see ``benchmarks.particles`` for the samplers)."""
+    return int(sample_rows(row, generator, sampler))
 
 
 async def lockstep_smc(lm, prompt: list[int], num_particles: int, num_steps: int, seed: int,
@@ -157,12 +127,8 @@ def run(args: argparse.Namespace) -> dict:
     prompt = [rng.randrange(1000, lm.vocab_size) for _ in range(args.prompt_len)]
     rows = []
     for n in args.particles:
-        engine_times: list[float] = []
-
         def ours() -> None:
-            before = lm.stats()["evaluate_s"]
             asyncio.run(lockstep_smc(lm, prompt, n, args.steps, args.seed, args.sampler))
-            engine_times.append(lm.stats()["evaluate_s"] - before)
 
         def nosess() -> None:
             lm.set_sessions(False)
@@ -179,19 +145,23 @@ def run(args: argparse.Namespace) -> dict:
         variants = {"on": [("ours", ours)], "off": [("nosess", nosess)],
                     "both": [("ours", ours), ("nosess", nosess)]}[args.sessions] + [("floor", floor)]
         times = {name: [] for name, _ in variants}
+        engine_times = {name: [] for name, _ in variants}  # inside the backend's engine calls
         for name, fn in variants:
             fn()  # warm-up
         for _ in range(args.repeats):  # interleaved, so drift hits all alike
             for name, fn in variants:
+                before = lm.stats()["evaluate_s"]  # read outside the timed window
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
+                engine_times[name].append(lm.stats()["evaluate_s"] - before)
         summary = {name: summarise(t) for name, t in times.items()}
         floor_s = summary["floor"]["median_s"]
         row = {"N": n, "T": args.steps, "floor_s": floor_s, **summary}
         if "ours" in summary:  # where the time of a run goes: engine calls, draws, the rest
-            row["engine_s"] = statistics.median(engine_times[1:] or engine_times)
-            row["sample_s"] = time_draws(lm.vocab_size, n, args.steps, args.seed, args.sampler, args.gpu)
+            row["engine_s"] = statistics.median(engine_times["ours"])
+            stored = torch.randn(min(n, 64), lm.vocab_size, device="cuda" if args.gpu else "cpu").log_softmax(-1)
+            row["sample_s"] = min(time_draws(stored, n, args.steps, args.seed, args.sampler) for _ in range(2))
             row["other_us_per_request"] = 1e6 * (summary["ours"]["median_s"] - row["engine_s"] - row["sample_s"]) / (n * args.steps)
         for name in summary:
             if name != "floor":
@@ -217,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=None, help="default: 128 on GPU, 32 on CPU")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", choices=("multinomial", "cdf", "race"), default="multinomial",
+    parser.add_argument("--sampler", choices=SAMPLERS, default="multinomial",
                         help="how a particle draws its token from the row (client-side cost)")
     parser.add_argument("--sessions", choices=("on", "off", "both"), default="both",
                         help="time engine sessions on (ours), off (nosess) or both, interleaved")
