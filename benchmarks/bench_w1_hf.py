@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_table, summarise, write_json
-from benchmarks.particles import sample_rows, time_draws
+from benchmarks.particles import SAMPLERS, ParticleDraws, sample_rows, time_draws
 from genlm_backend.llm.hf import AsyncTransformer
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -95,13 +95,11 @@ def build_model(args: argparse.Namespace) -> Any:
 # ---- the workload ----------------------------------------------------------------------
 
 
-async def _particle(
-    lm: AsyncTransformer, prompt: list[int], num_steps: int, generator: torch.Generator, sampler: str
-) -> list[int]:
+async def _particle(lm: AsyncTransformer, prompt: list[int], num_steps: int, draws: ParticleDraws) -> list[int]:
     context = list(prompt)
     for _ in range(num_steps):
         logprobs = await lm.next_token_logprobs(context)
-        context.append(int(sample_rows(logprobs, generator, sampler)))
+        context.append(await draws.draw(logprobs))
     return context
 
 
@@ -110,12 +108,10 @@ def run_w1(
     sampler: str = "cdf",
 ) -> list[list[int]]:
     lm.clear_kv_cache()
-    generator = torch.Generator(device=lm.device).manual_seed(seed)
+    draws = ParticleDraws(sampler, seed)
 
     async def main() -> list[list[int]]:
-        return await asyncio.gather(
-            *(_particle(lm, prompt, num_steps, generator, sampler) for _ in range(num_particles))
-        )
+        return await asyncio.gather(*(_particle(lm, prompt, num_steps, draws) for _ in range(num_particles)))
 
     return asyncio.run(main())
 
@@ -182,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", choices=["cdf", "race"], default="cdf",
+    parser.add_argument("--sampler", choices=SAMPLERS, default="cdf",
                         help="how particles and the floor draw tokens (see benchmarks.particles)")
     parser.add_argument(
         "--max-kv-cache-bytes",

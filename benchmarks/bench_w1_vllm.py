@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from benchmarks.common import print_table, summarise, write_json  # noqa: E402
-from benchmarks.particles import SAMPLERS, sample_rows, time_draws  # noqa: E402
+from benchmarks.particles import SAMPLERS, ParticleDraws, time_draws  # noqa: E402
 
 GPU_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=8192)
@@ -77,24 +77,16 @@ def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.
     return out
 
 
-def draw(row: torch.Tensor, generator: torch.Generator, sampler: str) -> int:
-    """One token from the log-probability row (see ``benchmarks.particles`` for the samplers)."""
-    return int(sample_rows(row, generator, sampler))
-
-
 async def lockstep_smc(lm, prompt: list[int], num_particles: int, num_steps: int, seed: int,
                        sampler: str = "multinomial") -> list[list[int]]:
     """N particles, each awaiting its next-token row every step and sampling from it."""
-    generator = None
+    draws = ParticleDraws(sampler, seed)
 
     async def particle(i: int) -> list[int]:
-        nonlocal generator
         context = list(prompt)
         for _ in range(num_steps):
             row = await lm.next_token_logprobs(context)
-            if generator is None or generator.device != row.device:
-                generator = torch.Generator(device=row.device).manual_seed(seed)
-            context.append(draw(row, generator, sampler))
+            context.append(await draws.draw(row))
         return context[len(prompt):]
 
     return await asyncio.gather(*(particle(i) for i in range(num_particles)))

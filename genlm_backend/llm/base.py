@@ -9,7 +9,6 @@ rest: input validation, the batcher, the output cache, adapters (LoRA, from
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -17,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._engine_thread import EngineThread
 from .._sync import run_sync
 from ..batching import Batcher
 from ..cache import OutputCache
@@ -75,9 +75,7 @@ class AsyncLM(Adapters, ABC):
         self.batch_size = batch_size
         self.timeout = timeout
         # One engine thread for every batcher of this model: engine calls never overlap.
-        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"genlm-{type(self).__name__}"
-        )
+        self._engine_thread = EngineThread(f"genlm-{type(self).__name__}")
         self._logprobs_batcher = Batcher(
             self._evaluate_logprobs,
             max_batch_size=batch_size,

@@ -15,6 +15,7 @@ calls never overlap.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -33,7 +34,7 @@ try:
     from . import vllm_internals
     from .vllm_engine import EngineJob, EngineRunner
     from .vllm_sampling import build_sampling_params, samples_of, submit_with_early_delivery
-    from .vllm_sessions import SessionPool
+    from .vllm_sessions import PlanEntry, SessionPool
 except ImportError as _exc:  # pragma: no cover - exercised only without vllm
     vllm = None
     _IMPORT_ERROR = _exc
@@ -83,6 +84,9 @@ class AsyncVirtualLM(AsyncLM):
             :meth:`close_sessions` before driving ``underlying_model`` yourself (its
             ``generate`` waits for every live request).
         session_idle_batches: a session not extended for this many batches is closed.
+        session_hold_s: how long the engine keeps the step that produced sessions' rows
+            open for the next batch to continue them (see :mod:`.vllm_sessions`); any
+            other engine work ends the wait at once.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class AsyncVirtualLM(AsyncLM):
         can_capture: bool = True,
         sessions: bool | int = True,
         session_idle_batches: int = 8,
+        session_hold_s: float = 1.0,
     ):
         _require_vllm()
         tokenizer = _hf_tokenizer(llm)
@@ -112,10 +117,26 @@ class AsyncVirtualLM(AsyncLM):
         self._sink = vllm_internals.CaptureSink()
         self._can_capture = can_capture
         self._lora_requests: dict[str, Any] = {}
-        self._session_slots = int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs) - 1
-        self._sessions = SessionPool(self._abort, 0, session_idle_batches)
+        engine = llm.llm_engine
+        self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs) - 1
+        # Rows go to their callers inside the step that computes them where vLLM tells
+        # which rows are final; sessions are then held between steps (async scheduling off).
+        self._sink.discarded = vllm_internals.discard_mask_reader(engine)
+        self._holds = (
+            self._sink.discarded is not None
+            and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
+        )
+        self.session_hold_s = float(session_hold_s)
+        self._sessions = SessionPool(
+            self._runner.abort, 0, session_idle_batches, park=self._park if self._holds else None
+        )
+        if self._holds:
+            self._sink.on_step = self._on_step
         self.set_sessions(sessions)
         self._runner.on_stall = self._sessions.free_parked
+        # vLLM's scheduler bounds what runs in one step; a lockstep step cut into several
+        # batches could continue the sessions of its first part only.
+        self._logprobs_batcher.max_batch_size = max(batch_size, self._session_slots + 1)
         # A sampling batch is one engine call that vLLM schedules continuously: capping it at
         # ``batch_size`` would run the chunks of one ``batch_sample`` one after another.
         self._sample_batcher = Batcher(
@@ -169,42 +190,86 @@ class AsyncVirtualLM(AsyncLM):
         its ``generate``: that waits for every live request, parked sessions included)."""
         return self.llm
 
-    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> list[Any]:
+    async def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> list[Any]:
         if not self._can_capture:
             return [
                 EngineError("full-vocabulary log-probabilities need the capture logits processor, "
                             "which vLLM refuses with speculative decoding")
                 for _ in requests
             ]
-        tags = [self._sink.new_tag() for _ in requests]
-        plan = self._sessions.plan(requests)
-        jobs = [
-            EngineJob(
-                prompt=r.token_ids if entry is None else entry[1],
-                params=vllm.SamplingParams(
-                    max_tokens=1, temperature=0.0, detokenize=False,
-                    extra_args=self._sink.extra_args(tag), **vllm_internals.NO_DEEP_COPY,
-                ),
-                convert=lambda output, tag=tag: self._sink.take(tag).clone(),
-                lora_request=self._lora_request(r.lora_name),
-                stream_id=None if entry is None else entry[0].request_id,
-                stream_request=None if entry is None else entry[0].engine_request,
-                full_prompt=r.token_ids,
-            )
-            for r, tag, entry in zip(requests, tags, plan)
-        ]
-        results = None
-        try:
-            results = self._runner.run(jobs)
-            return results
-        finally:
-            self._sessions.settle(requests, plan, jobs, results)
-            for tag in tags:
-                self._sink.discard(tag)
+        batch = _RowBatch(asyncio.get_running_loop(), len(requests))
+        # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
+        # runs inside it and decides which sessions continue.
+        self._engine_thread.submit_hold_safe(self._start_batch, requests, batch)
+        return await batch.future
 
-    def _abort(self, request_ids: list[str]) -> None:
-        if self.llm is not None:
-            vllm_internals.abort_requests(self.llm.llm_engine, request_ids)
+    def _start_batch(self, requests: list[LogprobsRequest], batch: _RowBatch) -> None:
+        """On the engine thread: matches ``requests`` to sessions, then runs them next."""
+        try:
+            plan = self._sessions.plan(requests)
+            jobs = [self._logprob_job(r, entry, batch, i) for i, (r, entry) in enumerate(zip(requests, plan))]
+        except BaseException as exc:  # noqa: BLE001 - fails this batch only
+            batch.fail(exc)
+            return
+        self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, batch)
+
+    def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: _RowBatch, i: int) -> EngineJob:
+        sink = self._sink
+        if entry is not None and entry.continues:
+            tag = entry.session.tag
+        else:
+            tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
+        held = entry is not None and self._holds
+        job = EngineJob(
+            prompt=request.token_ids if entry is None else entry.tokens,
+            params=vllm.SamplingParams(
+                # A held session runs until parked; it stops by itself at max_model_len.
+                max_tokens=self._model_config.max_model_len if held else 1,
+                ignore_eos=held, temperature=0.0, detokenize=False,
+                extra_args=sink.extra_args(tag), **vllm_internals.NO_DEEP_COPY,
+            ),
+            convert=lambda output, tag=tag: sink.take(tag),
+            lora_request=self._lora_request(request.lora_name),
+            deliver=functools.partial(batch.set, i),
+            stream_id=None if entry is None else entry.session.request_id,
+            stream_request=None if entry is None else entry.session.engine_request,
+            full_prompt=request.token_ids,
+            continued=entry is not None and entry.continues,
+            tag=tag,
+        )
+        if sink.discarded is not None:
+            sink.expect(tag, functools.partial(self._runner.finish, job))
+        if entry is not None:
+            self._sessions.bind(entry, job, tag)
+        return job
+
+    def _run_batch(self, requests: list[LogprobsRequest], plan: list, jobs: list[EngineJob], batch: _RowBatch) -> None:
+        try:
+            self._runner.run(jobs, may_hold=True)
+        except BaseException as exc:  # noqa: BLE001 - fails the requests of this batch left
+            batch.fail(exc)
+        finally:
+            self._sessions.settle(requests, plan, jobs)
+            for job in jobs:
+                if not isinstance(job.result, torch.Tensor):
+                    self._sink.discard(job.tag)
+
+    def _on_step(self, tags: list[int]) -> dict[int, int]:
+        """Inside an engine step, after its rows went out: holds the step for the next batch's
+        plan while the held sessions wait for it; returns the tokens to force."""
+        if not self._sessions.on_rows(tags):
+            return {}
+        if self._runner.can_hold():
+            self._sessions.decided = False
+            self._engine_thread.hold(lambda: self._sessions.decided, self.session_hold_s)
+        return self._sessions.release()
+
+    def _park(self, session: Any) -> None:
+        request, llm = session.engine_request, self.llm
+        if llm is None:
+            return
+        if request is None or not vllm_internals.park(llm.llm_engine, request.request_id):
+            self._sessions.close(session)
 
     def set_sessions(self, sessions: bool | int) -> None:
         """Turns engine sessions on (True: up to ``max_num_seqs - 1``; an int: at most that
@@ -354,8 +419,10 @@ class AsyncVirtualLM(AsyncLM):
         ``engine_s`` (seconds inside the engine), ``num_oom_splits``,
         ``prefix_cache_hit_rate`` (cached / total prompt tokens of finished requests),
         ``peak_device_memory_bytes`` (CUDA only; None on CPU, where
-        ``peak_host_rss_bytes`` is given); ``sessions``: live, opened, extended and closed
-        engine sessions.
+        ``peak_host_rss_bytes`` is given); ``sessions``: live, opened, extended (of which
+        continued while held) and closed engine sessions. Engine counters of a batch land
+        when its last engine step ends, which for held sessions is when the next batch (or
+        any other engine work) arrives.
         """
         return {
             **super().stats(),
@@ -373,6 +440,44 @@ class AsyncVirtualLM(AsyncLM):
             self._engine_thread.submit(vllm_internals.shutdown, llm).result(timeout=60)
         except Exception:  # noqa: BLE001 - the engine thread is gone: shut down here
             vllm_internals.shutdown(llm)
+
+
+class _RowBatch:
+    """The results of one log-probability batch, filled on the engine thread as rows arrive;
+    :attr:`future` (of the event loop) resolves once every request has its result."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int):
+        self.loop = loop
+        self.future = loop.create_future()
+        self.results: list[Any] = [_MISSING] * size
+        self.left = size
+
+    def set(self, i: int, result: Any) -> None:
+        if self.results[i] is not _MISSING:
+            return
+        self.results[i] = result
+        self.left -= 1
+        if self.left == 0:
+            try:
+                self.loop.call_soon_threadsafe(_resolve, self.future, self.results)
+            except RuntimeError:  # the loop was closed: nobody waits any more
+                pass
+
+    def fail(self, exc: BaseException) -> None:
+        """Every request still without a result gets an ``EngineError`` caused by ``exc``."""
+        for i, result in enumerate(self.results):
+            if result is _MISSING:
+                error = EngineError(f"the engine failed on this request's batch: {exc!r}")
+                error.__cause__ = exc
+                self.set(i, error)
+
+
+_MISSING = object()
+
+
+def _resolve(future: asyncio.Future, results: list[Any]) -> None:
+    if not future.done():
+        future.set_result(results)
 
 
 def _hf_tokenizer(llm: Any) -> Any:

@@ -39,15 +39,22 @@ class EngineJob:
     # (opened by the first chunk); ``full_prompt`` is the whole context, for a retry as a
     # plain request once the session is gone. ``stream_request`` is the engine request of
     # the session's last chunk (None for the first), replaced by this chunk's once added.
+    # ``continued``: the session is running already (its next token was forced); nothing is
+    # added, the row comes from the capture of the next step.
     stream_id: str | None = None
     full_prompt: tuple[int, ...] | None = None
     stream_request: Any = None
+    continued: bool = False
+    tag: int | None = None  # capture tag (log-probability jobs)
     result: Any = field(default=_PENDING, repr=False)
 
     def unstream(self) -> None:
         """Turns this session chunk into a plain request over the whole context."""
         if self.stream_id is not None and self.full_prompt is not None:
             self.prompt, self.stream_id, self.stream_request = self.full_prompt, None, None
+            self.continued = False
+            if self.tag is not None:  # a held session's parameters: a plain request stops at once
+                self.params.max_tokens, self.params.ignore_eos = 1, False
 
     @property
     def is_done(self) -> bool:
@@ -97,16 +104,43 @@ class EngineRunner:
         # sessions that are not part of ``jobs``.
         self.on_stall: Callable[[Sequence[EngineJob]], bool] | None = None
         self.stall_timeout_s = 60.0
+        self.in_step = False
+        self._deferred_aborts: list[str] = []
+        self._current: Sequence[EngineJob] = ()
+        self._may_hold = False
 
-    def run(self, jobs: Sequence[EngineJob]) -> list[Any]:
-        """Runs ``jobs``; returns one result or exception instance per job, in order."""
+    def run(self, jobs: Sequence[EngineJob], may_hold: bool = False) -> list[Any]:
+        """Runs ``jobs``; returns one result or exception instance per job, in order.
+
+        ``may_hold``: an engine step may wait for the next batch once every job of this
+        call has its result (see :meth:`can_hold`).
+        """
         start = time.perf_counter()
         self.stats.num_engine_calls += 1
+        self._current, self._may_hold = jobs, may_hold
         try:
             self._run_splitting([j for j in jobs if not j.is_done])
         finally:
+            self._current, self._may_hold = (), False
             self.stats.engine_s += time.perf_counter() - start
         return [job.result for job in jobs]
+
+    def can_hold(self) -> bool:
+        """Inside a step: True when the call being run allows holding and nothing of it is
+        left to compute, so waiting delays no request."""
+        return self._may_hold and all(job.is_done for job in self._current)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Aborts engine requests now, or right after the step being run."""
+        if self.in_step:
+            self._deferred_aborts += request_ids
+        elif self.llm is not None:
+            vllm_internals.abort_requests(self.llm.llm_engine, request_ids)
+
+    def _flush_aborts(self, engine: Any) -> None:
+        if self._deferred_aborts:
+            ids, self._deferred_aborts = self._deferred_aborts, []
+            vllm_internals.abort_requests(engine, ids)
 
     def _run_splitting(self, jobs: list[EngineJob]) -> None:
         if not jobs:
@@ -125,7 +159,7 @@ class EngineRunner:
                 for job in pending:
                     error = EngineError(f"out of device memory even for a single request: {exc!r}")
                     error.__cause__ = exc
-                    self._finish(job, error)
+                    self.finish(job, error)
                 return
             self.stats.num_oom_splits += 1
             half = len(pending) // 2
@@ -137,8 +171,13 @@ class EngineRunner:
             self.before_attempt(jobs)
         engine = self.llm.llm_engine
         running: dict[str, EngineJob] = {}
+        uncounted: set[str] = set()  # requests added here whose prompt is not in the stats yet
         try:
+            self._flush_aborts(engine)
             for job in jobs:
+                if job.continued:
+                    running[job.stream_id] = job
+                    continue
                 request_id = job.stream_id or f"genlm-{next(self._ids)}"
                 try:
                     if job.stream_id is None:
@@ -148,28 +187,38 @@ class EngineRunner:
                             engine, request_id, job.prompt, job.params, job.lora_request, job.stream_request
                         )
                 except Exception as exc:  # noqa: BLE001 - vLLM refused this request only
-                    self._finish(job, _invalid(exc))
+                    self.finish(job, _invalid(exc))
                     continue
                 running[request_id] = job
+                uncounted.add(request_id)
             stalled_since = None
             while running and engine.has_unfinished_requests():
                 self.stats.num_steps += 1
-                outputs = engine.step()
+                self.in_step = True
+                try:
+                    outputs = engine.step()
+                finally:
+                    self.in_step = False
+                    self._flush_aborts(engine)
                 stalled_since = self._check_stall(engine, jobs, outputs, stalled_since)
                 for output in outputs:
+                    if output.request_id in uncounted:
+                        uncounted.discard(output.request_id)
+                        self.stats.num_prompt_tokens += len(output.prompt_token_ids or ())
+                        self.stats.num_cached_prompt_tokens += output.num_cached_tokens or 0
                     job = running.get(output.request_id)
-                    if job is None or not vllm_internals.output_done(output):
+                    if job is None or job.is_done or not vllm_internals.output_done(output):
                         continue
                     del running[output.request_id]
-                    self.stats.num_prompt_tokens += len(output.prompt_token_ids or ())
-                    self.stats.num_cached_prompt_tokens += output.num_cached_tokens or 0
                     try:
                         result = job.convert(output)
                     except Exception as exc:  # noqa: BLE001 - this job's own failure
                         result = exc
-                    self._finish(job, result)
+                    self.finish(job, result)
+                # Log-probability rows arrive inside the step that computes them.
+                running = {rid: job for rid, job in running.items() if not job.is_done}
             for job in running.values():
-                self._finish(job, EngineError("the engine finished without returning this request"))
+                self.finish(job, EngineError("the engine finished without returning this request"))
             running.clear()
         finally:
             if running:
@@ -192,7 +241,10 @@ class EngineRunner:
         return since
 
     @staticmethod
-    def _finish(job: EngineJob, result: Any) -> None:
+    def finish(job: EngineJob, result: Any) -> None:
+        """Gives ``job`` its result (once) and hands it over through ``deliver``."""
+        if job.is_done:
+            return
         job.result = result
         if job.deliver is not None:
             job.deliver(result)

@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,10 +55,12 @@ __all__ = [
     "CaptureSink",
     "LogprobsCaptureProcessor",
     "add_session_chunk",
+    "discard_mask_reader",
     "is_cuda_oom",
     "is_stalled",
     "lora_refusal",
     "output_done",
+    "park",
     "supports_sessions",
 ]
 
@@ -81,15 +84,24 @@ NO_DEEP_COPY = _no_deep_copy()
 class CaptureSink:
     """Where one engine's processor delivers captured rows; keyed by request tag.
 
-    Only tags announced with :meth:`expect` are kept, so a late write for a request that
-    was already collected (or abandoned) is dropped instead of piling up.
+    A tag is expected either with a *target* (:meth:`expect`: a callback that gets the row
+    inside the engine step that computes it, as soon as the row is known to be final) or
+    with a slot (:meth:`new_tag`: the latest row is stored for :meth:`take`, the route when
+    finality cannot be told). Rows of tags nobody expects are not computed.
+
+    ``on_step(tags) -> {tag: token}``, when set, is called on the engine thread once per
+    step with the tags whose final row this step produced; the tokens it returns are forced
+    as those requests' next tokens (every other logit set to -inf).
     """
 
     def __init__(self) -> None:
         self.token = uuid.uuid4().hex
         self._tags = itertools.count(1)
         self._rows: dict[int, torch.Tensor | None] = {}
+        self._targets: dict[int, Callable[[torch.Tensor], None]] = {}
         self._lock = threading.Lock()
+        self.discarded: Callable[[int], Any] | None = None  # see discard_mask_reader
+        self.on_step: Callable[[list[int]], dict[int, int]] | None = None
         _SINKS[self.token] = self
 
     def new_tag(self) -> int:
@@ -98,8 +110,16 @@ class CaptureSink:
             self._rows[tag] = None
         return tag
 
+    def next_tag(self) -> int:
+        """A fresh tag with nothing expected yet (see :meth:`expect`)."""
+        return next(self._tags)
+
     def extra_args(self, tag: int) -> dict[str, Any]:
         return {CAPTURE_KEY: [self.token, tag]}
+
+    def expect(self, tag: int, target: Callable[[torch.Tensor], None]) -> None:
+        """The next final row of ``tag`` goes to ``target`` (once; then it is forgotten)."""
+        self._targets[tag] = target
 
     def put(self, tag: int, row: torch.Tensor) -> None:
         with self._lock:
@@ -124,17 +144,47 @@ class CaptureSink:
         return row
 
     def discard(self, tag: int) -> None:
+        self._targets.pop(tag, None)
         with self._lock:
             self._rows.pop(tag, None)
 
     def close(self) -> None:
+        self._targets.clear()
         with self._lock:
             self._rows.clear()
         _SINKS.pop(self.token, None)
 
+    def capture(self, logits: torch.Tensor, entries: list[tuple[int, int, list[int]]]) -> list[tuple[int, int]]:
+        """One step of the processor for this sink's rows ``(index, tag, output_ids)``;
+        returns ``(index, token)`` pairs to force."""
+        discarded = self.discarded(logits.shape[0]) if self.discarded is not None else None
+        if discarded is None:  # finality unknown: the last row written before the output wins
+            final = [(i, tag) for i, tag, out in entries if not out]
+        else:
+            final = [(i, tag) for i, tag, _ in entries if not discarded[i]]
+        wanted = [(i, tag) for i, tag in final if tag in self._targets or tag in self._rows]
+        if wanted:
+            # Outside inference mode: callers get ordinary tensors they may modify in place.
+            with torch.inference_mode(False), torch.no_grad():
+                index = torch.tensor([i for i, _ in wanted], device=logits.device)
+                logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+            for k, (_, tag) in enumerate(wanted):
+                target = self._targets.pop(tag, None) if discarded is not None else None
+                if target is not None:
+                    target(logprobs[k])
+                else:
+                    self.put(tag, logprobs[k])
+        if discarded is None or self.on_step is None or not final:
+            return []
+        forced = self.on_step([tag for _, tag in final])
+        return [(i, forced[tag]) for i, tag in final if tag in forced]
+
 
 class LogprobsCaptureProcessor(LogitsProcessor):
-    """Copies the log-softmax of tagged rows to their sinks; leaves the logits unchanged."""
+    """Hands the log-softmax of tagged rows to their sinks; forces the tokens sinks ask for.
+
+    Logits of other rows are left as they are.
+    """
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
         # row index -> (sink token, tag, the request's live output token list)
@@ -165,17 +215,57 @@ class LogprobsCaptureProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.rows:
             return logits
-        # A request with an output token has had its prompt row captured already.
-        live = [(i, e) for i, e in self.rows.items() if not e[2]]
-        if not live:
-            return logits
-        index = torch.tensor([i for i, _ in live], device=logits.device)
-        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-        for k, (_, (token, tag, _)) in enumerate(live):
+        by_sink: dict[str, list[tuple[int, int, list[int]]]] = {}
+        for index, (token, tag, output_ids) in self.rows.items():
+            by_sink.setdefault(token, []).append((index, tag, output_ids))
+        forced: list[tuple[int, int]] = []
+        for token, entries in by_sink.items():
             sink = _SINKS.get(token)
             if sink is not None:
-                sink.put(tag, logprobs[k])
+                forced += sink.capture(logits, entries)
+        if forced:
+            rows = torch.tensor([i for i, _ in forced], device=logits.device)
+            tokens = torch.tensor([t for _, t in forced], device=logits.device)
+            logits[rows] = float("-inf")
+            logits[rows, tokens] = 0.0
         return logits
+
+
+def discard_mask_reader(engine: Any) -> Callable[[int], Any] | None:
+    """``num_rows -> bool array``: which rows of the step being run are partial prefills
+    whose sampled token vLLM throws away (the model runner's ``discard_request_mask``,
+    0.26 and 0.32, set before the logits processors run). None where it cannot be read
+    (another process, another model runner): rows are then only known final once their
+    request finishes."""
+    runner = _model_runner(engine)
+    mask = getattr(runner, "discard_request_mask", None)
+    if mask is None or not hasattr(mask, "np"):
+        return None
+    return lambda n: mask.np[:n]
+
+
+def _model_runner(engine: Any) -> Any:
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
+    return getattr(worker, "model_runner", None)
+
+
+def _scheduler(engine: Any) -> Any:
+    return getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+
+
+def park(engine: Any, internal_id: str) -> bool:
+    """Makes the running session request ``internal_id`` stop after the step being run, so
+    the scheduler parks it with its KV (as a chunk that reached ``max_tokens`` would be):
+    its ``max_tokens`` becomes its output count plus this step's token, which the parked
+    session drops (``_update_request_as_session`` keeps computed tokens only). Call only
+    from inside a step (a logits processor), with async scheduling off. False when the
+    request is unknown to the scheduler."""
+    request = getattr(_scheduler(engine), "requests", {}).get(internal_id)
+    if request is None:
+        return False
+    request.max_tokens = request.num_output_tokens + 1
+    return True
 
 
 def is_cuda_oom(exc: BaseException) -> bool:
@@ -291,7 +381,7 @@ def output_done(output: Any) -> bool:
 def is_stalled(engine: Any) -> bool:
     """True when the scheduler has waiting requests but runs none (e.g. every slot is held
     by a parked session); False when that cannot be told."""
-    scheduler = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+    scheduler = _scheduler(engine)
     if scheduler is None:
         return False
     running, waiting = scheduler.get_request_counts()

@@ -297,6 +297,7 @@ def test_warm_up_primes_the_prefix_cache(vlm):
     vlm.warm_up(prefix)
     cached = vlm.stats()["engine"]["num_cached_prompt_tokens"]
     vlm.next_token_logprobs_sync(prefix + [17, 18])
+    vlm._engine_thread.submit(lambda: None).result()  # ends the held step: its counters land
     stats = vlm.stats()
     assert stats["engine"]["num_cached_prompt_tokens"] - cached >= 2 * block_size
     for key in ("num_batches", "mean_batch_size", "queue_wait_s", "num_deduplicated", "cache_hits"):

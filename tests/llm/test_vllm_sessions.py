@@ -42,6 +42,11 @@ def sessions(vlm):
     return vlm.stats()["sessions"]
 
 
+def park_sessions(vlm):
+    """Any other engine work ends a hold: the held sessions park."""
+    vlm._engine_thread.submit(lambda: None).result()
+
+
 async def test_rows_through_sessions_equal_a_forward_pass(vlm, hf_reference):
     contexts = contexts_of([3, 9, 17, 40], seed=30)
     extended = sessions(vlm)["num_extended"]
@@ -52,6 +57,35 @@ async def test_rows_through_sessions_equal_a_forward_pass(vlm, hf_reference):
         contexts = [c + [int(torch.multinomial(r.exp(), 1))] for c, r in zip(contexts, rows)]
     assert sessions(vlm)["num_extended"] - extended == 12  # steps 2-4 extend all four
     assert sessions(vlm)["num_live"] == 4
+
+
+async def test_lockstep_steps_continue_held_sessions_without_re_adding_them(vlm, hf_reference):
+    # Each step's rows go out inside the engine step; the next batch's plan runs while that
+    # step waits, and forces every particle's token: no chunk is added after the first.
+    contexts = contexts_of([4, 11, 23], seed=42)
+    before = sessions(vlm)
+    steps = vlm.stats()["engine"]["num_steps"]
+    final, rows = await lockstep(vlm, contexts, 5)
+    for context, row in zip(final, rows):
+        assert_matches(row, hf_reference("base", context))
+    after = sessions(vlm)
+    assert after["num_opened"] - before["num_opened"] == 3
+    assert after["num_continued"] - before["num_continued"] == 12
+    assert vlm.stats()["engine"]["num_steps"] - steps == 5  # one engine step per lockstep step
+
+
+async def test_a_parked_session_resumes_by_a_chunk(vlm, hf_reference):
+    contexts = contexts_of([6, 9], seed=43)
+    await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+    park_sessions(vlm)
+    before = sessions(vlm)
+    nxt = [c + [17] for c in contexts]
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
+    for context, row in zip(nxt, rows):
+        assert_matches(row, hf_reference("base", context))
+    after = sessions(vlm)
+    assert after["num_extended"] - before["num_extended"] == 2
+    assert after["num_continued"] == before["num_continued"]  # re-added, not continued
 
 
 async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_reference):
@@ -119,6 +153,7 @@ async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypa
 
     contexts = contexts_of([5, 6, 7], seed=36)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+    park_sessions(vlm)  # extending a parked session adds a chunk, which vLLM may refuse
     doomed = vlm._sessions._by_key[(None, tuple(contexts[1]))].request_id
     original = vllm_internals.add_session_chunk
 
@@ -134,6 +169,7 @@ async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypa
     for i in (0, 2):
         assert_matches(results[i], hf_reference("base", nxt[i]))
     monkeypatch.undo()
+    park_sessions(vlm)  # the batch ends (and settles) once its held step is released
     assert doomed not in {s.request_id for s in vlm._sessions._sessions.values()}
     assert_matches(await vlm.next_token_logprobs(nxt[1]), hf_reference("base", nxt[1]))
 

@@ -158,6 +158,12 @@ def vlm(vllm_lm):
     vllm_lm.set_sessions(True)
     vllm_lm._runner.before_attempt = None
     yield vllm_lm
+    # Once other engine work ends the hold of the last step, no request may be left running:
+    # a row delivered early must not leave its engine request generating.
+    scheduler = vllm_lm.underlying_model.llm_engine.engine_core.engine_core.scheduler
+    if not vllm_lm.is_closed:
+        running, _ = vllm_lm._engine_thread.submit(scheduler.get_request_counts).result(timeout=120)
+        assert running == 0, f"{running} engine requests still running after the test"
     vllm_lm._runner.before_attempt = None
     vllm_lm.clear_lora()
     for name in list(vllm_lm._lora_paths):

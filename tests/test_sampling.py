@@ -1,0 +1,91 @@
+"""TokenSampler: batched exact draws from log-probability rows.
+
+The reference is the distribution itself: counts of many seeded draws against the row's
+probabilities by a chi-square statistic (fixed seeds, so the test is deterministic; the bound
+is the 1e-4 critical value, so an exact sampler fails it with probability 1e-4 per seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from genlm_backend.sampling import TokenSampler
+
+# Chi-square critical values at p = 1e-4, by degrees of freedom.
+CHI2_1E4 = {3: 21.11, 4: 23.51}
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = probs > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+async def test_concurrent_draws_follow_the_row_and_run_as_one_batch():
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+    row = probs.log()
+    sampler = TokenSampler(seed=1)
+    counts = torch.zeros(6)
+    for _ in range(20):
+        tokens = await asyncio.gather(*(sampler.sample(row.clone()) for _ in range(1000)))
+        counts += torch.bincount(torch.tensor(tokens), minlength=6)
+    assert counts[5] == 0  # a -inf token is never drawn
+    assert chi_square(counts, probs) < CHI2_1E4[4]
+    assert sampler.stats.num_batches == 20 and sampler.stats.mean_batch_size == 1000
+
+
+async def test_unnormalised_rows_and_rows_of_several_lengths_share_a_batch():
+    sampler = TokenSampler(seed=2)
+    short = torch.tensor([0.0, math.log(3.0)])  # p = 1/4, 3/4 once normalised
+    long = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    draws = await asyncio.gather(*(sampler.sample(short if i % 2 else long) for i in range(4000)))
+    short_counts = torch.bincount(torch.tensor(draws[1::2]), minlength=2).float()
+    long_counts = torch.bincount(torch.tensor(draws[0::2]), minlength=4).float()
+    assert chi_square(short_counts, torch.tensor([0.25, 0.75])) < 15.14  # df 1
+    assert chi_square(long_counts, torch.full((4,), 0.25)) < CHI2_1E4[3]
+    assert sampler.stats.num_batches == 1
+
+
+async def test_same_seed_same_tokens():
+    rows = [torch.randn(50, generator=torch.Generator().manual_seed(i)).log_softmax(-1) for i in range(30)]
+
+    async def draw_all(seed):
+        sampler = TokenSampler(seed=seed)
+        return await asyncio.gather(*(sampler.sample(r) for r in rows))
+
+    assert await draw_all(7) == await draw_all(7)
+    assert await draw_all(7) != await draw_all(8)
+
+
+async def test_a_bad_row_fails_only_its_caller():
+    sampler = TokenSampler(seed=3)
+    good = torch.tensor([0.0, float("-inf")])
+    dead = torch.full((2,), float("-inf"))
+    results = await asyncio.gather(
+        sampler.sample(good), sampler.sample(dead), sampler.sample(good), return_exceptions=True
+    )
+    assert results[0] == 0 and results[2] == 0
+    assert isinstance(results[1], ValueError) and "-inf" in str(results[1])
+    for bad in (torch.zeros(2, 3), torch.tensor([1, 2]), torch.zeros(0), [0.0, 1.0]):
+        with pytest.raises(ValueError):
+            await sampler.sample(bad)
+
+
+def test_sample_now_draws_from_the_row():
+    sampler = TokenSampler(seed=4)
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    counts = torch.bincount(torch.tensor([sampler.sample_now(probs.log()) for _ in range(6000)]), minlength=3)
+    assert chi_square(counts.float(), probs) < 18.42  # df 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_rows_on_the_gpu_are_drawn_there():
+    sampler = TokenSampler(seed=5)
+    probs = torch.tensor([0.7, 0.2, 0.1], device="cuda")
+    tokens = await asyncio.gather(*(sampler.sample(probs.log()) for _ in range(6000)))
+    counts = torch.bincount(torch.tensor(tokens), minlength=3).float()
+    assert chi_square(counts, probs.cpu()) < 18.42
