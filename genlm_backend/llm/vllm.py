@@ -1,20 +1,26 @@
 """`AsyncVirtualLM`: the vLLM backend — exact full-vocabulary log-probabilities and sampling.
 
 How a log-probability row is made: every distinct prompt of a batch becomes one engine
-request with ``max_tokens=1`` whose ``SamplingParams.extra_args`` carry a capture tag. A
-logits processor installed in the engine (:mod:`.vllm_internals`) maps batch rows to tags
-from vLLM's batch updates and stores the fp32 log-softmax of the row that finishes each
-prompt, also when vLLM spreads the batch over several engine steps (chunked prefill, more
-prompts than ``max_num_seqs``). Sampling requests carry no tag and pay nothing for it.
+request (or a chunk of a live session, :mod:`.vllm_sessions`) whose
+``SamplingParams.extra_args`` carry a capture tag. A logits processor installed in the engine
+(:mod:`.vllm_internals`) maps batch rows to tags from vLLM's batch updates and hands the fp32
+log-softmax of each request's final row to its caller inside the engine step that computed
+it, also when vLLM spreads the batch over several steps (chunked prefill, more prompts than
+``max_num_seqs``). Sampling requests carry no tag and pay nothing for it.
 
-Engine work runs on the model's single engine thread: the log-probability batcher (of
-:class:`~genlm_backend.llm.base.AsyncLM`) and the sampling batcher share it, so engine
-calls never overlap.
+Lockstep sampling: once every row of a batch is out, the step waits (briefly; any other
+engine work ends the wait) for the next batch. Requests that extend a session's context by
+one token continue it: their token is forced as the session's next token, so the next step
+is a plain decode step over the running requests, as in vLLM's own generation loop.
+
+Engine work runs on the model's single engine thread: the log-probability batches and the
+sampling batcher share it, so engine calls never overlap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import os
 from collections.abc import Iterable
@@ -127,6 +133,15 @@ class AsyncVirtualLM(AsyncLM):
             and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
         )
         self.session_hold_s = float(session_hold_s)
+        # Log-probability requests take one greedy token; a held session runs until parked
+        # (and stops by itself at max_model_len).
+        self._plain_params = vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, **vllm_internals.NO_DEEP_COPY
+        )
+        self._held_params = vllm.SamplingParams(
+            max_tokens=self._model_config.max_model_len, ignore_eos=True, temperature=0.0,
+            detokenize=False, **vllm_internals.NO_DEEP_COPY,
+        )
         self._sessions = SessionPool(
             self._runner.abort, 0, session_idle_batches, park=self._park if self._holds else None
         )
@@ -220,14 +235,11 @@ class AsyncVirtualLM(AsyncLM):
         else:
             tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
         held = entry is not None and self._holds
+        params = copy.copy(self._held_params if held else self._plain_params)  # cheaper than a new one
+        params.extra_args = sink.extra_args(tag)
         job = EngineJob(
             prompt=request.token_ids if entry is None else entry.tokens,
-            params=vllm.SamplingParams(
-                # A held session runs until parked; it stops by itself at max_model_len.
-                max_tokens=self._model_config.max_model_len if held else 1,
-                ignore_eos=held, temperature=0.0, detokenize=False,
-                extra_args=sink.extra_args(tag), **vllm_internals.NO_DEEP_COPY,
-            ),
+            params=params,
             convert=lambda output, tag=tag: sink.take(tag),
             lora_request=self._lora_request(request.lora_name),
             deliver=functools.partial(batch.set, i),

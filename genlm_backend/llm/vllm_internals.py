@@ -21,16 +21,25 @@ What is relied on:
   with the same id as the next chunk of a parked one; the model runner re-adds the request
   with the chunk's ``SamplingParams``. The scheduler object is read for stall detection
   (:func:`is_stalled`). Without these, :func:`supports_sessions` is False and sessions are off.
+* Holding sessions between steps: the in-process engine runs the sampler, and so
+  ``apply``, on the thread that calls ``LLMEngine.step`` (``UniProcExecutor`` runs the
+  worker inline), so ``apply`` may wait for the next batch; the model runner's
+  ``discard_request_mask`` (:func:`discard_mask_reader`) tells which rows of the step are
+  partial prefills; the scheduler's ``Request.max_tokens`` is read at ``update_from_output``,
+  after the processor ran, so :func:`park` can stop a running session after this step.
+  Without the mask, rows are taken when their request finishes and nothing is held.
 
 How rows reach their requests: every capture request carries
 ``SamplingParams.extra_args[CAPTURE_KEY] = [sink_token, tag]``. The processor keeps a map
 ``row index -> (sink_token, tag)`` up to date from the batch updates (identity, not order)
-and, on every step, writes the log-softmax of each tagged row into the sink registered
-under ``sink_token``. A prompt split over several engine steps (chunked prefill, or a batch
-larger than ``max_num_seqs``) writes partial rows first; the row of the step that finishes
-the prompt comes last and wins; once the request has an output token it is no longer
-written. Rows of requests without a tag (plain sampling) cost one dictionary lookup per step.
-A tag whose row never arrives is an error (:meth:`CaptureSink.take`), never a wrong row.
+and, on every step, gives each sink its tagged rows (:meth:`CaptureSink.capture`): the
+log-softmax of every *final* row (not a partial prefill) goes to the target expected for
+its tag, inside the step; the sink's ``on_step`` hook may then name tokens to force. Where
+finality cannot be told, a prompt split over several engine steps writes partial rows
+first, the row of the step that finishes the prompt comes last and wins, and once the
+request has an output token it is no longer written. Rows of requests without a tag (plain
+sampling) cost one dictionary lookup per step. A tag whose row never arrives is an error
+(:meth:`CaptureSink.take`), never a wrong row.
 """
 
 from __future__ import annotations
@@ -322,7 +331,10 @@ def add_session_chunk(
     one-token chunk and gives the same result for parameters that differ only in
     ``extra_args``, which is the caller's promise.
     """
-    params.output_kind = RequestOutputKind.DELTA  # streaming input refuses FINAL_ONLY
+    # FINAL_ONLY: no RequestOutput for every step of a held session, one when a chunk ends.
+    # (``AsyncLLM`` refuses it for streaming input because its generator yields per chunk;
+    # the output processor itself marks a chunk's end output ``finished=False`` either way.)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
     if previous is None:
         request = engine.input_processor.process_inputs(
             request_id, TokensPrompt(prompt_token_ids=list(tokens)), params,

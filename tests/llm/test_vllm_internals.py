@@ -154,3 +154,26 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_refere
         assert_matches(row, hf_reference("base", context))
     vllm_internals.abort_requests(engine, [request_id])
     assert request_id not in scheduler.requests and not engine.has_unfinished_requests()
+
+
+def test_held_sessions_rely_on_the_runner_mask_and_park_with_their_kv(vlm, hf_reference):
+    """What holding needs from vLLM: the model runner's ``discard_request_mask`` (else rows
+    could not leave inside their step and nothing would be held), and the scheduler honouring
+    a ``max_tokens`` lowered during the step (:func:`vllm_internals.park`): a held session
+    that other engine work interrupts waits for its next chunk with its context computed."""
+    from vllm.v1.request import RequestStatus
+
+    from genlm_backend.llm import vllm_internals
+
+    engine = vlm.underlying_model.llm_engine
+    assert vllm_internals.discard_mask_reader(engine) is not None
+    assert vlm._holds
+    scheduler = engine.engine_core.engine_core.scheduler
+    context = [5, 17, 300, 42, 9, 11]
+    vlm.next_token_logprobs_sync(context)
+    requests = vlm._engine_thread.submit(lambda: dict(scheduler.requests)).result()  # ends the hold
+    assert len(requests) == 1
+    request = next(iter(requests.values()))
+    assert request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert request.num_computed_tokens == len(context)
+    assert_matches(vlm.next_token_logprobs_sync(context + [7]), hf_reference("base", context + [7]))
