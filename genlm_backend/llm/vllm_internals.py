@@ -175,8 +175,8 @@ class CaptureSink:
         if wanted:
             # Outside inference mode: callers get ordinary tensors they may modify in place.
             with torch.inference_mode(False), torch.no_grad():
-                index = torch.tensor([i for i, _ in wanted], device=logits.device)
-                logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+                picked = _rows_of(logits, [i for i, _ in wanted])
+                logprobs = torch.log_softmax(picked.float(), dim=-1)
             for k, (_, tag) in enumerate(wanted):
                 target = self._targets.pop(tag, None) if discarded is not None else None
                 if target is not None:
@@ -233,11 +233,34 @@ class LogprobsCaptureProcessor(LogitsProcessor):
             if sink is not None:
                 forced += sink.capture(logits, entries)
         if forced:
-            rows = torch.tensor([i for i, _ in forced], device=logits.device)
-            tokens = torch.tensor([t for _, t in forced], device=logits.device)
-            logits[rows] = float("-inf")
-            logits[rows, tokens] = 0.0
+            forced.sort()
+            rows = [i for i, _ in forced]
+            tokens = _on_device([t for _, t in forced], logits.device).unsqueeze(1)
+            if rows[-1] - rows[0] + 1 == len(rows):  # contiguous (lockstep: usually all rows)
+                block = logits[rows[0] : rows[-1] + 1]
+                block.fill_(float("-inf"))
+                block.scatter_(1, tokens, 0.0)
+            else:
+                index = _on_device(rows, logits.device)
+                logits[index] = float("-inf")
+                logits[index.unsqueeze(1), tokens] = 0.0
         return logits
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``: a view when the rows are contiguous (no index tensor to copy over)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits.index_select(0, _on_device(rows, logits.device))
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on ``device``; to a GPU through pinned memory, without waiting for the
+    work queued before it (a plain copy from pageable memory would wait for the forward pass)."""
+    tensor = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def discard_mask_reader(engine: Any) -> Callable[[int], Any] | None:

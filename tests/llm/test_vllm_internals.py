@@ -79,6 +79,44 @@ def test_the_processor_follows_removed_added_and_moved_rows():
     assert set(proc.rows) == {0, 2}
 
 
+@pytest.mark.parametrize("rows", [(0, 1, 2, 3), (0, 2, 3)], ids=["contiguous", "gapped"])
+def test_final_rows_go_to_their_targets_and_forced_tokens_win(rows):
+    """With finality known (the runner's mask), each final row goes to its target inside the
+    step, partial-prefill rows to nobody; the tokens ``on_step`` names become the only finite
+    logits of their rows; rows of other requests are untouched."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from genlm_backend.llm.vllm_internals import CaptureSink, LogprobsCaptureProcessor
+
+    sink = CaptureSink()
+    partial = rows[-1]  # this row is a partial prefill this step
+    sink.discarded = lambda n: np.array([i == partial for i in range(n)])
+    tags = {i: sink.next_tag() for i in rows}
+    got = {}
+    for i, tag in tags.items():
+        sink.expect(tag, lambda row, i=i: got.__setitem__(i, row))
+    seen = []
+    sink.on_step = lambda final: seen.append(sorted(final)) or {tags[i]: 7 - i for i in rows if i != partial}
+    proc = LogprobsCaptureProcessor(None, torch.device("cpu"), False)
+    added = [(i, SamplingParams(extra_args=sink.extra_args(tags[i])) if i in tags else SamplingParams(), [1], [])
+             for i in range(4)]
+    proc.update_state(BatchUpdate(4, removed=[], added=added, moved=[]))
+    logits = torch.randn(4, 10)
+    out = proc.apply(logits.clone())
+    expected = torch.log_softmax(logits, -1)
+    assert set(got) == set(rows) - {partial}
+    for i, row in got.items():
+        assert torch.allclose(row, expected[i])
+    assert seen == [sorted(tags[i] for i in rows if i != partial)]
+    for i in range(4):
+        if i in tags and i != partial:
+            assert torch.isfinite(out[i]).sum() == 1 and out[i, 7 - i] == 0
+        else:
+            assert torch.equal(out[i], logits[i])
+
+
 def test_a_missing_row_is_an_error_never_a_wrong_row():
     from genlm_backend.llm.vllm_internals import CaptureSink
 
