@@ -23,7 +23,6 @@ import asyncio
 import copy
 import functools
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,15 +30,14 @@ import torch
 from ..batching import Batcher
 from ..exceptions import EngineError, InvalidRequestError
 from .base import AsyncLM, LogprobsRequest
-from .validation import check_max_tokens, check_temperature
 
 try:
     import vllm
     from vllm.lora.request import LoRARequest
 
     from . import vllm_internals
-    from .vllm_engine import EngineJob, EngineRunner
-    from .vllm_sampling import build_sampling_params, samples_of, submit_with_early_delivery
+    from .vllm_engine import EngineJob, EngineRunner, RowBatch
+    from .vllm_sampling import SamplingMixin
     from .vllm_sessions import PlanEntry, SessionPool
 except ImportError as _exc:  # pragma: no cover - exercised only without vllm
     vllm = None
@@ -67,7 +65,7 @@ def _require_vllm() -> None:
         ) from _IMPORT_ERROR
 
 
-class AsyncVirtualLM(AsyncLM):
+class AsyncVirtualLM(SamplingMixin, AsyncLM):
     """A vLLM model whose log-probabilities and samples are awaited and auto-batched.
 
     Build it with :meth:`from_name`. Rows are fp32 log-softmax over the model's whole
@@ -212,13 +210,13 @@ class AsyncVirtualLM(AsyncLM):
                             "which vLLM refuses with speculative decoding")
                 for _ in requests
             ]
-        batch = _RowBatch(asyncio.get_running_loop(), len(requests))
+        batch = RowBatch(asyncio.get_running_loop(), len(requests))
         # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
         # runs inside it and decides which sessions continue.
         self._engine_thread.submit_hold_safe(self._start_batch, requests, batch)
         return await batch.future
 
-    def _start_batch(self, requests: list[LogprobsRequest], batch: _RowBatch) -> None:
+    def _start_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
         """On the engine thread: matches ``requests`` to sessions, then runs them next."""
         try:
             plan = self._sessions.plan(requests)
@@ -228,7 +226,7 @@ class AsyncVirtualLM(AsyncLM):
             return
         self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, batch)
 
-    def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: _RowBatch, i: int) -> EngineJob:
+    def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
         sink = self._sink
         if entry is not None and entry.continues:
             tag = entry.session.tag
@@ -255,7 +253,7 @@ class AsyncVirtualLM(AsyncLM):
             self._sessions.bind(entry, job, tag)
         return job
 
-    def _run_batch(self, requests: list[LogprobsRequest], plan: list, jobs: list[EngineJob], batch: _RowBatch) -> None:
+    def _run_batch(self, requests: list[LogprobsRequest], plan: list, jobs: list[EngineJob], batch: RowBatch) -> None:
         try:
             self._runner.run(jobs, may_hold=True)
         except BaseException as exc:  # noqa: BLE001 - fails the requests of this batch left
@@ -324,79 +322,6 @@ class AsyncVirtualLM(AsyncLM):
     def _lora_request(self, lora_name: str | None) -> Any:
         return None if lora_name is None else self._lora_requests[lora_name]
 
-    # ---- sampling -------------------------------------------------------------------------
-
-    async def sample(
-        self,
-        prompt_token_ids: Any,
-        max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        *,
-        lora_name: str | None = None,
-        **options: Any,
-    ) -> list[int] | list[list[int]]:
-        """Samples a continuation in vLLM; concurrent calls become one engine batch.
-
-        Stops after ``max_tokens`` tokens or at the first token whose id is in
-        ``eos_token_ids`` (matched by id; not returned). The result arrives as soon as this
-        sequence finishes, not when the whole batch does. Same seed, same result.
-
-        Args:
-            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed: as in
-                :meth:`AsyncLM.sample`; temperature 0 is greedy.
-            lora_name: the adapter for this call (None: the active one).
-            **options: ``top_p``, ``top_k``, ``min_p``, ``stop_token_ids`` (more ids that
-                end the sequence, not returned), ``repetition_penalty``,
-                ``presence_penalty``, ``frequency_penalty``, ``n`` (samples per prompt;
-                with ``n > 1`` the result is a list of ``n`` token lists), ``regex`` or
-                ``json_schema`` (structured output through vLLM's guided decoding; JSON is
-                generated compact, without free whitespace).
-
-        Raises:
-            InvalidRequestError: bad prompt, option or adapter (for this caller only).
-        """
-        job = self._sample_job(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name, options)
-        return await self._submit_sample(job)
-
-    async def batch_sample(
-        self,
-        prompt_token_ids_list: Iterable[Any],
-        max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        *,
-        lora_name: str | None = None,
-        **options: Any,
-    ) -> list[Any]:
-        """One :meth:`sample` per prompt, in one engine batch; prompt i uses seed ``seed + i``."""
-        prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, lora_name)]
-        jobs = [
-            self._sample_job(p, max_tokens, eos_token_ids, temperature,
-                             None if seed is None else seed + i, lora_name, options)
-            for i, p in enumerate(prompts)
-        ]
-        return list(await asyncio.gather(*(self._submit_sample(job) for job in jobs)))
-
-    def _sample_job(self, prompt, max_tokens, eos_token_ids, temperature, seed, lora_name, options) -> EngineJob:
-        request = self._request(prompt, lora_name)
-        params = build_sampling_params(
-            max_tokens=check_max_tokens(max_tokens),
-            eos_token_ids=self._eos_set(eos_token_ids),
-            temperature=check_temperature(temperature),
-            seed=seed,
-            options=options,
-        )
-        return EngineJob(request.token_ids, params, samples_of(params), self._lora_request(request.lora_name))
-
-    async def _submit_sample(self, job: EngineJob) -> Any:
-        return await submit_with_early_delivery(self._sample_batcher, job)
-
-    def _evaluate_samples(self, jobs: list[EngineJob]) -> list[Any]:
-        return self._runner.run(jobs)
-
     # ---- operations -----------------------------------------------------------------------
 
     def warm_up(self, prefixes: Any, lora_name: str | None = None) -> None:
@@ -452,44 +377,6 @@ class AsyncVirtualLM(AsyncLM):
             self._engine_thread.submit(vllm_internals.shutdown, llm).result(timeout=60)
         except Exception:  # noqa: BLE001 - the engine thread is gone: shut down here
             vllm_internals.shutdown(llm)
-
-
-class _RowBatch:
-    """The results of one log-probability batch, filled on the engine thread as rows arrive;
-    :attr:`future` (of the event loop) resolves once every request has its result."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, size: int):
-        self.loop = loop
-        self.future = loop.create_future()
-        self.results: list[Any] = [_MISSING] * size
-        self.left = size
-
-    def set(self, i: int, result: Any) -> None:
-        if self.results[i] is not _MISSING:
-            return
-        self.results[i] = result
-        self.left -= 1
-        if self.left == 0:
-            try:
-                self.loop.call_soon_threadsafe(_resolve, self.future, self.results)
-            except RuntimeError:  # the loop was closed: nobody waits any more
-                pass
-
-    def fail(self, exc: BaseException) -> None:
-        """Every request still without a result gets an ``EngineError`` caused by ``exc``."""
-        for i, result in enumerate(self.results):
-            if result is _MISSING:
-                error = EngineError(f"the engine failed on this request's batch: {exc!r}")
-                error.__cause__ = exc
-                self.set(i, error)
-
-
-_MISSING = object()
-
-
-def _resolve(future: asyncio.Future, results: list[Any]) -> None:
-    if not future.done():
-        future.set_result(results)
 
 
 def _hf_tokenizer(llm: Any) -> Any:

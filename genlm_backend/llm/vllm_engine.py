@@ -7,6 +7,7 @@ may hand that result to its caller at once (``deliver``) instead of at the end o
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ import torch
 from ..exceptions import EngineError, InvalidRequestError
 from . import vllm_internals
 
-__all__ = ["EngineJob", "EngineRunner"]
+__all__ = ["EngineJob", "EngineRunner", "RowBatch"]
 
 _PENDING = object()
 
@@ -248,6 +249,44 @@ class EngineRunner:
         job.result = result
         if job.deliver is not None:
             job.deliver(result)
+
+
+class RowBatch:
+    """The results of one log-probability batch, filled on the engine thread as rows arrive;
+    :attr:`future` (of the event loop) resolves once every request has its result."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int):
+        self.loop = loop
+        self.future = loop.create_future()
+        self.results: list[Any] = [_MISSING] * size
+        self.left = size
+
+    def set(self, i: int, result: Any) -> None:
+        if self.results[i] is not _MISSING:
+            return
+        self.results[i] = result
+        self.left -= 1
+        if self.left == 0:
+            try:
+                self.loop.call_soon_threadsafe(_resolve, self.future, self.results)
+            except RuntimeError:  # the loop was closed: nobody waits any more
+                pass
+
+    def fail(self, exc: BaseException) -> None:
+        """Every request still without a result gets an ``EngineError`` caused by ``exc``."""
+        for i, result in enumerate(self.results):
+            if result is _MISSING:
+                error = EngineError(f"the engine failed on this request's batch: {exc!r}")
+                error.__cause__ = exc
+                self.set(i, error)
+
+
+_MISSING = object()
+
+
+def _resolve(future: asyncio.Future, results: list[Any]) -> None:
+    if not future.done():
+        future.set_result(results)
 
 
 def _invalid(exc: BaseException) -> InvalidRequestError:
