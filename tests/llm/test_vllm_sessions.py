@@ -246,3 +246,18 @@ async def test_a_stalled_engine_frees_its_parked_sessions(vlm, hf_reference):
             assert_matches(row, hf_reference("base", context))
     finally:
         vlm._engine_thread.submit(vllm_internals.abort_requests, engine, ["foreign-session"]).result()
+
+
+async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_reference):
+    vlm.session_hold_s = 0.05
+    try:
+        contexts = contexts_of([5, 8], seed=44)
+        await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+        await asyncio.sleep(0.5)  # no next batch, no other engine work: the wait times out
+        assert {s.state for s in vlm._sessions._sessions.values()} == {"parked"}
+        nxt = [c + [19] for c in contexts]
+        rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
+        for context, row in zip(nxt, rows):
+            assert_matches(row, hf_reference("base", context))
+    finally:
+        vlm.session_hold_s = 1.0
