@@ -253,7 +253,7 @@ async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_re
     try:
         contexts = contexts_of([5, 8], seed=44)
         await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
-        await asyncio.sleep(0.5)  # no next batch, no other engine work: the wait times out
+        await asyncio.sleep(1.0)  # no next batch, no other engine work: the wait times out
         assert {s.state for s in vlm._sessions._sessions.values()} == {"parked"}
         nxt = [c + [19] for c in contexts]
         rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
