@@ -22,8 +22,9 @@ GPU (random-weight 1.2B Llama, tekken 131k vocabulary, bf16; run
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
+import gc
+import json
 import os
 import random
 import statistics
@@ -114,6 +115,10 @@ def run(args: argparse.Namespace) -> dict:
             engine_opts[key] = value
     max_n = max(args.particles)
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n)
+    if args.gc_freeze:  # what vLLM does at engine start, once more after the backend's own setup
+        gc.collect()
+        gc.freeze()
+    gc_pauses = GcPauses()
     llm = lm.underlying_model
     rng = random.Random(args.seed)
     prompt = [rng.randrange(1000, lm.vocab_size) for _ in range(args.prompt_len)]
@@ -138,18 +143,23 @@ def run(args: argparse.Namespace) -> dict:
                     "both": [("ours", ours), ("nosess", nosess)]}[args.sessions] + [("floor", floor)]
         times = {name: [] for name, _ in variants}
         engine_times = {name: [] for name, _ in variants}  # inside the backend's engine calls
+        gc_times = {name: [] for name, _ in variants}  # in Python's cyclic garbage collector
         for name, fn in variants:
             fn()  # warm-up
         for _ in range(args.repeats):  # interleaved, so drift hits all alike
             for name, fn in variants:
                 before = lm.stats()["evaluate_s"]  # read outside the timed window
+                gc_before = gc_pauses.seconds
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
                 engine_times[name].append(lm.stats()["evaluate_s"] - before)
+                gc_times[name].append(gc_pauses.seconds - gc_before)
         summary = {name: summarise(t) for name, t in times.items()}
         floor_s = summary["floor"]["median_s"]
         row = {"N": n, "T": args.steps, "floor_s": floor_s, **summary}
+        row["gc_s"] = statistics.median(gc_times["ours" if "ours" in gc_times else "nosess"])
+        row["gc_s_floor"] = statistics.median(gc_times["floor"])
         if "ours" in summary:  # where the time of a run goes: engine calls, draws, the rest
             row["engine_s"] = statistics.median(engine_times["ours"])
             stored = torch.randn(min(n, 64), lm.vocab_size, device="cuda" if args.gpu else "cpu").log_softmax(-1)
@@ -169,6 +179,21 @@ def run(args: argparse.Namespace) -> dict:
             "stats": stats}
 
 
+class GcPauses:
+    """Seconds spent in Python's cyclic garbage collector since this was made."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="W1 lockstep SMC on AsyncVirtualLM vs vLLM's decode loop")
     parser.add_argument("--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA")
@@ -186,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (CPU default: 128)")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="extra vllm.LLM option (VALUE parsed as JSON when it can be); repeatable")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() after the model is built (as vLLM does at engine start)")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.steps is None:
@@ -202,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     result = run(args)
     columns = [c for c in ("N", "T", "wall_s", "wall_s_nosess", "floor_s", "ratio", "ratio_nosess", "engine_s",
-                           "sample_s", "other_us_per_request")
+                           "sample_s", "gc_s", "gc_s_floor", "other_us_per_request")
                if c in result["rows"][0]]
     print_table(result["rows"], columns)
     name = "w1_vllm_gpu" if args.gpu else "w1_vllm_cpu"

@@ -26,10 +26,10 @@ SAMPLERS = ("multinomial", "cdf", "race", "batched")
 class ParticleDraws:
     """How W1's particles draw: ``await draws.draw(row)`` with any of :data:`SAMPLERS`."""
 
-    def __init__(self, sampler: str, seed: int):
+    def __init__(self, sampler: str, seed: int, predraw: bool | None = None):
         self.sampler, self.seed = sampler, seed
         self.generator: torch.Generator | None = None
-        self.token_sampler = TokenSampler(seed=seed) if sampler == "batched" else None
+        self.token_sampler = TokenSampler(seed=seed, predraw=predraw) if sampler == "batched" else None
 
     async def draw(self, row: torch.Tensor) -> int:
         if self.token_sampler is not None:

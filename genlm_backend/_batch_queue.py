@@ -11,7 +11,6 @@ import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import ClosedError, EngineError
@@ -26,13 +25,15 @@ __all__ = ["LoopQueue", "fail_all"]
 _IDLE_PROBES: set[asyncio.Handle] = set()
 
 
-@dataclass(eq=False)
 class _Entry:
     """One distinct key and the futures of everyone who awaits it."""
 
-    key: Any
-    queued_at: float
-    waiters: list[asyncio.Future] = field(default_factory=list)
+    __slots__ = ("key", "queued_at", "waiters")
+
+    def __init__(self, key: Any, queued_at: float, waiters: list[asyncio.Future]):
+        self.key = key
+        self.queued_at = queued_at
+        self.waiters = waiters
 
 
 class LoopQueue:
@@ -57,16 +58,21 @@ class LoopQueue:
         stats = self.batcher.stats
         stats.num_requests += 1
         self.num_added += 1
-        if key in self.running:
-            self.running[key].waiters.append(fut)
+        entry = self.running.get(key)
+        if entry is not None:
+            entry.waiters.append(fut)
             stats.num_joined += 1
             return fut
-        if key in self.pending:
-            self.pending[key].waiters.append(fut)
+        entry = self.pending.get(key)
+        if entry is not None:
+            entry.waiters.append(fut)
             stats.num_deduplicated += 1
             return fut
-        self.pending[key] = _Entry(key, time.perf_counter(), [fut])
-        self.schedule()
+        pending = self.pending
+        pending[key] = _Entry(key, time.perf_counter(), [fut])
+        # A batch is already due (timer and idle probe set) unless this one fills it.
+        if self.timer is None or self.idle_probe is None or len(pending) >= self.batcher.max_batch_size:
+            self.schedule()
         return fut
 
     def forget(self, key: Any, fut: asyncio.Future) -> None:
@@ -146,8 +152,11 @@ class LoopQueue:
         if self.is_busy or not self.pending:
             return
         batcher = self.batcher
-        keys = list(self.pending)[: batcher.max_batch_size]
-        batch = [self.pending.pop(k) for k in keys]
+        if len(self.pending) <= batcher.max_batch_size:
+            batch, self.pending = list(self.pending.values()), {}
+        else:
+            batch = [self.pending.pop(k) for k in list(self.pending)[: batcher.max_batch_size]]
+        keys = [entry.key for entry in batch]
         now = time.perf_counter()
         for entry in batch:
             self.running[entry.key] = entry
@@ -156,12 +165,16 @@ class LoopQueue:
         batcher.stats.num_batches += 1
         batcher.stats.num_evaluated += len(batch)
         if batcher.runs_inline:
+            start = time.perf_counter()
             try:
-                results, seconds = _timed_sync(batcher.evaluate, keys)
+                results = batcher.evaluate(keys)
             except Exception as exc:  # noqa: BLE001 - routed to the batch's awaiters
                 self.finish(batch, None, exc, 0.0)
+                return
+            if isinstance(results, asyncio.Future):  # computed elsewhere; resolved on this loop
+                results.add_done_callback(lambda f: self._on_future_done(batch, f, start))
             else:
-                self.finish(batch, results, None, seconds)
+                self.finish(batch, results, None, time.perf_counter() - start)
             return
         try:
             if batcher.is_async:
@@ -180,6 +193,13 @@ class LoopQueue:
         exc = task.exception()
         results, seconds = task.result() if exc is None else (None, 0.0)
         self.finish(batch, results, exc, seconds)
+
+    def _on_future_done(self, batch: list[_Entry], future: asyncio.Future, start: float) -> None:
+        if future.cancelled():
+            self.finish(batch, None, ClosedError("the batch's evaluation was cancelled"), 0.0)
+            return
+        exc = future.exception()
+        self.finish(batch, None if exc is not None else future.result(), exc, time.perf_counter() - start)
 
     def _on_thread_done(self, batch: list[_Entry], job: concurrent.futures.Future) -> None:
         exc = job.exception()
@@ -207,13 +227,21 @@ class LoopQueue:
             error = RuntimeError(f"evaluate returned {got} results for {len(batch)} keys")
         if error is not None:
             stats.num_failed_batches += 1
+        running = self.running
         for i, entry in enumerate(batch):
-            if self.running.get(entry.key) is entry:
-                del self.running[entry.key]
+            if running.get(entry.key) is entry:
+                del running[entry.key]
+            waiters = entry.waiters
             if error is not None:
-                fail_all(entry.waiters, lambda: _engine_error(error, len(batch)))
+                fail_all(waiters, lambda: _engine_error(error, len(batch)))
+            elif len(waiters) == 1 and not isinstance(results[i], BaseException):  # the usual case
+                if not waiters[0].done():
+                    try:
+                        waiters[0].set_result(results[i])
+                    except RuntimeError:  # its loop is closed: the future is marked done all the same
+                        pass
             else:
-                _resolve_all(entry.waiters, results[i], self.batcher.copy_result)
+                _resolve_all(waiters, results[i], self.batcher.copy_result)
         self.is_busy = False
         if not self.loop.is_closed():
             self.schedule()

@@ -28,8 +28,10 @@ One batch runs at a time per event loop. A plain function ``evaluate`` runs on a
 thread (``executor``; pass the same executor to batchers that share one engine so their
 calls never overlap), so the event loop stays responsive while the engine works; with
 ``executor=INLINE`` it runs on the event loop's own thread instead, which saves the thread
-hand-off (about 0.1-0.2 ms a batch here) but blocks the loop while the engine works; an
-``async def`` evaluate is awaited on the loop. State is kept per event loop, so the batcher
+hand-off (about 0.1-0.2 ms a batch here) but blocks the loop while the engine works; such an
+``evaluate`` may also return an ``asyncio.Future`` of the results (work handed elsewhere,
+resolved on this loop: no task, no extra turns of the loop); an ``async def`` evaluate is
+awaited on the loop. State is kept per event loop, so the batcher
 keeps working when ``asyncio.run`` is called repeatedly or a notebook changes loops; waiters
 of a loop that was closed under them are failed, never left pending.
 """
@@ -113,7 +115,8 @@ class Batcher(Generic[K, R]):
             work; ``"timer"`` waits for ``timeout`` or a full batch only.
         executor: where a plain ``evaluate`` runs. Defaults to a private one-thread executor.
             Batchers that share one engine should share one single-thread executor.
-            ``INLINE`` runs it on the event loop's thread.
+            ``INLINE`` runs it on the event loop's thread (it may return the results or an
+            ``asyncio.Future`` of them).
         copy_result: makes the private copy handed to every extra awaiter of one result.
         name: names the worker thread and appears in errors.
 
@@ -175,7 +178,8 @@ class Batcher(Generic[K, R]):
         """
         if self.is_closed:
             raise ClosedError(f"{self.name} is closed")
-        queue = self._queue_for(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        queue = self._queues.get(loop) or self._queue_for(loop)
         fut = queue.add(key)
         try:
             return await fut

@@ -8,10 +8,19 @@ one batched draw over the stacked rows: one set of kernels and one copy for the 
 
 The draw is exact: the exponential race (``argmax_i log p_i - log E_i`` with independent
 ``E_i ~ Exp(1)``, i.e. the Gumbel-max trick) picks token ``i`` with probability ``p_i``.
+
+Rows of one model batch: the backends hand out the rows of a batch as views of one
+``[k, V]`` tensor. On a GPU, the first draw from any of them draws a token for every row of
+that block at once, and later draws from its other rows return their token without waiting
+for a batch (no future, no extra turn of the event loop). Each pre-drawn token is handed
+out once; a row drawn from again, or a block changed in place since (its version counter
+moved), is drawn afresh, so every draw stays an independent exact draw from the row as it
+is when it is asked for.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +40,22 @@ class _Draw:
         self.row = row
 
 
+class _Block:
+    """The tokens drawn for every row of one block, each handed out once."""
+
+    __slots__ = ("base", "version", "offset", "stride", "row_shape", "tokens", "left")
+
+    def __init__(self, ref: weakref.ref, base: torch.Tensor, tokens: list[int]):
+        self.base, self.version = ref, base._version
+        self.offset, self.stride, self.row_shape = base.storage_offset(), base.stride(0), base.shape[1:]
+        self.tokens: list[int | None] = list(tokens)
+        self.left = len(tokens)
+
+
+# Blocks whose rows may still be asked for; the oldest is forgotten first.
+_MAX_BLOCKS = 8
+
+
 class TokenSampler:
     """Samples token ids from log-probability rows; draws awaited together run as one batch.
 
@@ -38,14 +63,28 @@ class TokenSampler:
         seed: seeds the generator of each device (None: nondeterministic).
         max_batch_size, timeout: as for :class:`~genlm_backend.batching.Batcher` (the
             batch runs when the event loop has nothing else to do, or after ``timeout``).
+        predraw: draw every row of a block at the first draw from one of them (see the
+            module docstring). None (default): on accelerators, not on the CPU.
 
     Rows are 1-D tensors of (possibly unnormalised) log-probabilities; ``-inf`` entries are
     never drawn. Rows of one batch are grouped by device, length and dtype.
     """
 
-    def __init__(self, seed: int | None = None, *, max_batch_size: int = 4096, timeout: float = 0.02):
+    def __init__(
+        self,
+        seed: int | None = None,
+        *,
+        max_batch_size: int = 4096,
+        timeout: float = 0.02,
+        predraw: bool | None = None,
+    ):
         self.seed = seed
+        # None: pre-draw blocks on accelerators only (on a CPU a block's draw costs as much
+        # as its rows' draws, and drawing rows nobody asks for would be waste).
+        self.predraw = predraw
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._blocks: dict[int, _Block] = {}
+        self.num_predrawn = 0
         self._batcher = Batcher(
             self._draw_batch, max_batch_size=max_batch_size, timeout=timeout, executor=INLINE,
             name="TokenSampler",
@@ -58,7 +97,46 @@ class TokenSampler:
             ValueError: ``logprobs`` is not a non-empty 1-D floating-point tensor, or all
                 of it is ``-inf`` (for this caller only).
         """
+        base = logprobs._base if type(logprobs) is torch.Tensor else None
+        if base is not None:
+            token = self._predrawn(logprobs, base)
+            if token is not None:
+                return token
         return await self._batcher.submit(_Draw(_check_row(logprobs)))
+
+    def _predrawn(self, row: torch.Tensor, base: torch.Tensor) -> int | None:
+        """The pre-drawn token of ``row`` when it is a whole row of the block ``base``; None
+        when it is not (or its token was handed out already: the caller then draws afresh)."""
+        block = self._blocks.get(id(base))
+        if block is None or block.base() is not base or block.version != base._version:
+            if not (self.predraw or (self.predraw is None and base.device.type != "cpu")):
+                return None
+            if base.dim() != 2 or base.stride(1) != 1 or not base.is_floating_point() or base.shape[1] == 0:
+                return None
+            try:
+                tokens = self._draw_rows(base)
+            except ValueError:  # an all -inf row in the block: draw row by row
+                return None
+            block = self._remember_block(base, tokens)
+        index, rest = divmod(row.storage_offset() - block.offset, block.stride)
+        if rest or not 0 <= index < len(block.tokens) or row.shape != block.row_shape or row.stride(0) != 1:
+            return None
+        token = block.tokens[index]
+        if token is not None:
+            block.tokens[index] = None
+            block.left -= 1
+            if block.left == 0:
+                del self._blocks[id(base)]
+            self.num_predrawn += 1
+        return token
+
+    def _remember_block(self, base: torch.Tensor, tokens: list[int]) -> _Block:
+        blocks = self._blocks
+        key = id(base)
+        block = blocks[key] = _Block(weakref.ref(base, lambda _, key=key: blocks.pop(key, None)), base, tokens)
+        while len(blocks) > _MAX_BLOCKS:
+            del blocks[next(iter(blocks))]
+        return block
 
     def sample_now(self, logprobs: torch.Tensor) -> int:
         """One draw, unbatched (same distribution, same generator)."""
@@ -70,6 +148,12 @@ class TokenSampler:
         return self._batcher.stats
 
     def _draw_batch(self, draws: Sequence[_Draw]) -> list[Any]:
+        first = draws[0].row
+        if all(d.row.shape == first.shape and d.row.device == first.device for d in draws):
+            try:  # the usual case: one stack, one draw
+                return self._draw_rows(torch.stack([d.row for d in draws]))
+            except ValueError:  # an all -inf row: find it below
+                pass
         results: list[Any] = [None] * len(draws)
         groups: dict[tuple, list[int]] = {}
         for i, draw in enumerate(draws):

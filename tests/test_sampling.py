@@ -89,3 +89,72 @@ async def test_rows_on_the_gpu_are_drawn_there():
     tokens = await asyncio.gather(*(sampler.sample(probs.log()) for _ in range(6000)))
     counts = torch.bincount(torch.tensor(tokens), minlength=3).float()
     assert chi_square(counts, probs.cpu()) < 18.42
+
+
+# ---- pre-drawn blocks: the rows of one model batch, views of one [k, V] tensor -------------
+
+BLOCK_PROBS = torch.tensor([
+    [0.5, 0.2, 0.15, 0.1, 0.05],
+    [0.05, 0.05, 0.1, 0.3, 0.5],
+    [0.2, 0.2, 0.2, 0.2, 0.2],
+])
+
+
+async def test_rows_of_a_block_are_drawn_at_once_and_follow_their_own_row():
+    sampler = TokenSampler(seed=6, predraw=True)
+    counts = torch.zeros(3, 5)
+    for _ in range(3000):  # a fresh block per step, as a model hands out a batch's rows
+        rows = BLOCK_PROBS.log().clone().unbind(0)
+        tokens = [await sampler.sample(row) for row in rows]  # one at a time: no batch to join
+        for i, token in enumerate(tokens):
+            counts[i, token] += 1
+    assert sampler.num_predrawn == 3 * 3000 and sampler.stats.num_batches == 0
+    for i in range(3):
+        assert chi_square(counts[i], BLOCK_PROBS[i]) < CHI2_1E4[4]
+
+
+async def test_a_row_drawn_again_gets_a_fresh_draw():
+    sampler = TokenSampler(seed=7, predraw=True)
+    row = BLOCK_PROBS.log().clone().unbind(0)[0]
+    tokens = [await sampler.sample(row) for _ in range(4000)]
+    # Only the first draw is pre-drawn: the others are independent draws, not repeats of it.
+    assert sampler.num_predrawn == 1
+    counts = torch.bincount(torch.tensor(tokens), minlength=5).float()
+    assert chi_square(counts, BLOCK_PROBS[0]) < CHI2_1E4[4]
+
+
+async def test_a_block_changed_in_place_is_drawn_from_as_it_is_now():
+    sampler = TokenSampler(seed=8, predraw=True)
+    for _ in range(200):
+        block = BLOCK_PROBS.log().clone()
+        rows = block.unbind(0)
+        first = await sampler.sample(rows[0])  # draws the block as it is
+        rows[1][:4] = float("-inf")  # a constraint applied in place after that: only token 4 is left
+        assert await sampler.sample(rows[1]) == 4
+        assert first in range(5)
+
+
+async def test_views_that_are_not_whole_rows_are_drawn_on_their_own():
+    sampler = TokenSampler(seed=9, predraw=True)
+    inf = float("-inf")
+    block = torch.tensor([[0.0, inf, inf], [inf, 0.0, inf]])
+    assert await sampler.sample(block[1, 1:]) == 0  # the view [0.0, -inf]
+    assert await sampler.sample(block[1, :2]) == 1  # the view [-inf, 0.0]
+    assert await sampler.sample(block[:, 1]) == 1  # a column: [-inf, 0.0]
+    assert sampler.num_predrawn == 0
+
+
+async def test_an_all_inf_row_in_a_block_fails_only_its_caller():
+    sampler = TokenSampler(seed=10, predraw=True)
+    block = torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")], [float("-inf"), 0.0]])
+    rows = block.unbind(0)
+    results = await asyncio.gather(*(sampler.sample(r) for r in rows), return_exceptions=True)
+    assert results[0] == 0 and results[2] == 1
+    assert isinstance(results[1], ValueError)
+
+
+async def test_rows_on_the_cpu_are_not_pre_drawn_by_default():
+    sampler = TokenSampler(seed=11)
+    rows = BLOCK_PROBS.log().clone().unbind(0)
+    await asyncio.gather(*(sampler.sample(r) for r in rows))
+    assert sampler.num_predrawn == 0 and sampler.stats.num_batches == 1

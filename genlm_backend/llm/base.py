@@ -11,27 +11,56 @@ from __future__ import annotations
 import asyncio
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from .._engine_thread import EngineThread
 from .._sync import run_sync
-from ..batching import Batcher
+from ..batching import INLINE, Batcher
 from ..cache import OutputCache
 from ..exceptions import ClosedError, InvalidRequestError
 from .adapters import Adapters
-from .validation import check_max_tokens, check_temperature, check_token_ids
+from .validation import PromptChecker, check_max_tokens, check_temperature, check_token_ids
 
 __all__ = ["AsyncLM", "LogprobsRequest"]
 
 
-class LogprobsRequest(NamedTuple):
-    """One distinct request handed to a backend: a prompt and the adapter to use."""
+class LogprobsRequest:
+    """One distinct request handed to a backend: a prompt and the adapter to use.
 
-    token_ids: tuple[int, ...]
-    lora_name: str | None
+    Equal when both fields are; the hash is computed once (a prompt of a few hundred
+    tokens costs about half a microsecond to hash, and a request is looked up in several
+    tables on its way through the batcher and the backend). ``parent``, when known, is the
+    ``token_ids`` tuple of a recent request that this prompt extends by its last token
+    (the very object, so backends can find what they keep for it by identity); it takes no
+    part in equality.
+    """
+
+    __slots__ = ("token_ids", "lora_name", "parent", "_hash")
+
+    def __init__(self, token_ids: tuple[int, ...], lora_name: str | None = None, parent: tuple[int, ...] | None = None):
+        self.token_ids = token_ids
+        self.lora_name = lora_name
+        self.parent = parent
+        self._hash = hash((token_ids, lora_name))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, LogprobsRequest):
+            return NotImplemented
+        return self._hash == other._hash and self.token_ids == other.token_ids and self.lora_name == other.lora_name
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.token_ids, self.lora_name))
+
+    def __repr__(self) -> str:
+        return f"LogprobsRequest(token_ids={self.token_ids!r:.80}, lora_name={self.lora_name!r})"
 
 
 class AsyncLM(Adapters, ABC):
@@ -81,9 +110,10 @@ class AsyncLM(Adapters, ABC):
             max_batch_size=batch_size,
             timeout=timeout,
             flush=flush,
-            executor=self._engine_thread,
+            executor=INLINE if self._evaluates_on_loop else self._engine_thread,
             name=f"{type(self).__name__}.next_token_logprobs",
         )
+        self._prompt_checker: PromptChecker | None = None
         self._init_adapters()
         self.is_closed = False
 
@@ -94,12 +124,17 @@ class AsyncLM(Adapters, ABC):
     def vocab_size(self) -> int:
         """The model's output size V: the length of every log-probability row."""
 
+    # True: ``_evaluate_logprobs`` is called on the event loop's thread and returns an
+    # ``asyncio.Future`` of the rows (it hands the work to the engine thread itself).
+    _evaluates_on_loop = False
+
     @abstractmethod
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Sequence[Any]:
         """Evaluates one batch of distinct requests on the engine thread.
 
         Returns one fp32 log-probability row ``[V]`` per request, in order; an exception
-        instance in place of a row fails that request's callers only.
+        instance in place of a row fails that request's callers only. (With
+        ``_evaluates_on_loop``, runs on the event loop and may return a future of that list.)
         """
 
     @property
@@ -149,6 +184,8 @@ class AsyncLM(Adapters, ABC):
             EngineError: the engine failed on this request's batch.
         """
         request = self._request(token_ids, lora_name)
+        if self.cache is None:  # the hot path of samplers: one coroutine less
+            return await self._logprobs_batcher.submit(request)
         return await self._logprobs(request, use_cache=True)
 
     async def batch_next_token_logprobs(
@@ -190,9 +227,14 @@ class AsyncLM(Adapters, ABC):
         return row
 
     def _request(self, token_ids: Any, lora_name: str | None) -> LogprobsRequest:
-        self._check_open()
-        ids = check_token_ids(token_ids, self.vocab_size, self.max_prompt_len)
-        return LogprobsRequest(ids, self._resolve_lora(lora_name))
+        if self.is_closed:
+            self._check_open()
+        check = self._prompt_checker
+        if check is None:  # on first use: backends know their sizes once their __init__ ran
+            check = self._prompt_checker = PromptChecker(self.vocab_size, self.max_prompt_len)
+        ids, parent = check.with_parent(token_ids)
+        lora = self.active_lora if lora_name is None else self._resolve_lora(lora_name)
+        return LogprobsRequest(ids, lora, parent)
 
     def _requests(self, token_ids_list: Iterable[Any], lora_name: str | None) -> list[LogprobsRequest]:
         if isinstance(token_ids_list, (str, bytes)) or not isinstance(token_ids_list, Iterable):

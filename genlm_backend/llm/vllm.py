@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import os
 from typing import Any
 
@@ -203,7 +202,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         its ``generate``: that waits for every live request, parked sessions included)."""
         return self.llm
 
-    async def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> list[Any]:
+    _evaluates_on_loop = True  # the batch goes to the engine thread from the loop directly
+
+    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Any:
+        """On the event loop: hands the batch to the engine thread; returns a future of its rows."""
         if not self._can_capture:
             return [
                 EngineError("full-vocabulary log-probabilities need the capture logits processor, "
@@ -214,7 +216,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
         # runs inside it and decides which sessions continue.
         self._engine_thread.submit_hold_safe(self._start_batch, requests, batch)
-        return await batch.future
+        return batch.future
 
     def _start_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
         """On the engine thread: matches ``requests`` to sessions, then runs them next."""
@@ -228,27 +230,25 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
 
     def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
         sink = self._sink
-        if entry is not None and entry.continues:
-            tag = entry.session.tag
+        lora_request = None if request.lora_name is None else self._lora_requests[request.lora_name]
+        if entry is not None and entry.continues:  # the session's tag and parameters stay
+            session = entry.session
+            tag = session.tag
+            job = EngineJob(entry.tokens, session.params, None, lora_request, session.request_id,
+                            request.token_ids, session.engine_request, True, tag, batch, i)
         else:
             tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
-        held = entry is not None and self._holds
-        params = copy.copy(self._held_params if held else self._plain_params)  # cheaper than a new one
-        params.extra_args = sink.extra_args(tag)
-        job = EngineJob(
-            prompt=request.token_ids if entry is None else entry.tokens,
-            params=params,
-            convert=lambda output, tag=tag: sink.take(tag),
-            lora_request=self._lora_request(request.lora_name),
-            deliver=functools.partial(batch.set, i),
-            stream_id=None if entry is None else entry.session.request_id,
-            stream_request=None if entry is None else entry.session.engine_request,
-            full_prompt=request.token_ids,
-            continued=entry is not None and entry.continues,
-            tag=tag,
-        )
+            params = copy.copy(self._held_params if entry is not None and self._holds else self._plain_params)
+            params.extra_args = sink.extra_args(tag)
+            session = None if entry is None else entry.session
+            job = EngineJob(
+                request.token_ids if session is None else entry.tokens, params, None, lora_request,
+                None if session is None else session.request_id, request.token_ids,
+                None if session is None else session.engine_request, False, tag, batch, i,
+            )
+        job.convert = lambda output: sink.take(tag)
         if sink.discarded is not None:
-            sink.expect(tag, functools.partial(self._runner.finish, job))
+            sink.expect(tag, job.finish)
         if entry is not None:
             self._sessions.bind(entry, job, tag)
         return job

@@ -8,6 +8,7 @@ may hand that result to its caller at once (``deliver``) instead of at the end o
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ __all__ = ["EngineJob", "EngineRunner", "RowBatch"]
 _PENDING = object()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class EngineJob:
     """One engine request: a prompt, its sampling parameters, and what to make of the output.
 
@@ -33,9 +34,8 @@ class EngineJob:
 
     prompt: tuple[int, ...]
     params: Any  # vllm.SamplingParams
-    convert: Callable[[Any], Any]  # RequestOutput -> result
+    convert: Callable[[Any], Any] | None  # RequestOutput -> result
     lora_request: Any = None
-    deliver: Callable[[Any], None] | None = None  # early delivery of the result
     # A session chunk: ``prompt`` is appended to the live streaming request ``stream_id``
     # (opened by the first chunk); ``full_prompt`` is the whole context, for a retry as a
     # plain request once the session is gone. ``stream_request`` is the engine request of
@@ -47,6 +47,11 @@ class EngineJob:
     stream_request: Any = None
     continued: bool = False
     tag: int | None = None  # capture tag (log-probability jobs)
+    # Early delivery of the result: ``batch.set(index, result)`` (a RowBatch), else
+    # ``deliver(result)``.
+    batch: Any = None
+    index: int = 0
+    deliver: Callable[[Any], None] | None = None
     result: Any = field(default=_PENDING, repr=False)
 
     def unstream(self) -> None:
@@ -55,11 +60,22 @@ class EngineJob:
             self.prompt, self.stream_id, self.stream_request = self.full_prompt, None, None
             self.continued = False
             if self.tag is not None:  # a held session's parameters: a plain request stops at once
+                self.params = copy.copy(self.params)  # continuations share their session's
                 self.params.max_tokens, self.params.ignore_eos = 1, False
 
     @property
     def is_done(self) -> bool:
         return self.result is not _PENDING
+
+    def finish(self, result: Any) -> None:
+        """Gives this job its result (once) and hands it over."""
+        if self.result is not _PENDING:
+            return
+        self.result = result
+        if self.batch is not None:
+            self.batch.set(self.index, result)
+        elif self.deliver is not None:
+            self.deliver(result)
 
 
 @dataclass
@@ -243,12 +259,8 @@ class EngineRunner:
 
     @staticmethod
     def finish(job: EngineJob, result: Any) -> None:
-        """Gives ``job`` its result (once) and hands it over through ``deliver``."""
-        if job.is_done:
-            return
-        job.result = result
-        if job.deliver is not None:
-            job.deliver(result)
+        """Gives ``job`` its result (once) and hands it over."""
+        job.finish(result)
 
 
 class RowBatch:

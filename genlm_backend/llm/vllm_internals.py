@@ -176,13 +176,14 @@ class CaptureSink:
             # Outside inference mode: callers get ordinary tensors they may modify in place.
             with torch.inference_mode(False), torch.no_grad():
                 picked = _rows_of(logits, [i for i, _ in wanted])
-                logprobs = torch.log_softmax(picked.float(), dim=-1)
-            for k, (_, tag) in enumerate(wanted):
-                target = self._targets.pop(tag, None) if discarded is not None else None
+                rows = torch.log_softmax(picked.float(), dim=-1).unbind(0)  # views, one call
+            targets = self._targets
+            for (_, tag), row in zip(wanted, rows):
+                target = targets.pop(tag, None) if discarded is not None else None
                 if target is not None:
-                    target(logprobs[k])
+                    target(row)
                 else:
-                    self.put(tag, logprobs[k])
+                    self.put(tag, row)
         if discarded is None or self.on_step is None or not final:
             return []
         forced = self.on_step([tag for _, tag in final])
@@ -198,6 +199,7 @@ class LogprobsCaptureProcessor(LogitsProcessor):
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
         # row index -> (sink token, tag, the request's live output token list)
         self.rows: dict[int, tuple[str, int, list[int]]] = {}
+        self._staging = _Staging(device, is_pin_memory)
 
     def is_argmax_invariant(self) -> bool:
         # False on purpose: argmax-invariant processors are skipped for all-greedy batches.
@@ -234,17 +236,49 @@ class LogprobsCaptureProcessor(LogitsProcessor):
                 forced += sink.capture(logits, entries)
         if forced:
             forced.sort()
+            n = len(forced)
             rows = [i for i, _ in forced]
-            tokens = _on_device([t for _, t in forced], logits.device).unsqueeze(1)
-            if rows[-1] - rows[0] + 1 == len(rows):  # contiguous (lockstep: usually all rows)
+            both = self._staging.put(rows + [t for _, t in forced])  # one copy to the device
+            tokens = both[n:].unsqueeze(1)
+            if rows[-1] - rows[0] + 1 == n:  # contiguous (lockstep: usually all rows)
                 block = logits[rows[0] : rows[-1] + 1]
                 block.fill_(float("-inf"))
                 block.scatter_(1, tokens, 0.0)
             else:
-                index = _on_device(rows, logits.device)
+                index = both[:n]
                 logits[index] = float("-inf")
                 logits[index.unsqueeze(1), tokens] = 0.0
         return logits
+
+
+class _Staging:
+    """Small int64 lists to the device through one reused pinned buffer: no allocation, and
+    the copy does not wait for the work queued before it (a copy from pageable memory would
+    wait for the forward pass). One list at a time: a new one waits for the last copy."""
+
+    def __init__(self, device: torch.device, pin_memory: bool):
+        self.device = device
+        self.pinned = device.type == "cuda" and pin_memory
+        self.host: torch.Tensor | None = None
+        self.dev: torch.Tensor | None = None
+        self.copied: Any = None  # a CUDA event: the last copy out of ``host`` is done
+
+    def put(self, values: list[int]) -> torch.Tensor:
+        if not self.pinned:
+            return torch.tensor(values, dtype=torch.int64).to(self.device)
+        n = len(values)
+        if self.host is None or self.host.shape[0] < n:
+            size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 512)
+            self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
+            self.copied = torch.cuda.Event()
+        else:
+            self.copied.synchronize()  # the host buffer is free again
+        self.host.numpy()[:n] = values
+        out = self.dev[:n]
+        out.copy_(self.host[:n], non_blocking=True)
+        self.copied.record()
+        return out
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -18,7 +18,9 @@ row it produced last. It is in one of three states:
   re-adds the request to the engine's batch once.
 
 Matching (:meth:`SessionPool.plan`): a request for context ``C`` (adapter ``A``) uses the
-session of ``(A, C[:-1])`` when that session is free in this batch. Particles that share a
+session of ``(A, C[:-1])`` when that session is free in this batch; it is found by the
+identity of the request's ``parent`` (the prompt checker hands out the very tuple the
+session stands for: no hashing of long contexts), else by value. Particles that share a
 context after resampling can extend it only once; the others open new sessions (over the
 whole context: vLLM's prefix cache still skips most of the prefill). Requests that find no
 room run as plain one-shot requests.
@@ -45,21 +47,28 @@ __all__ = ["PlanEntry", "Session", "SessionPool"]
 _ids = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Session:
-    """One live streaming request: its engine id, adapter, state and the context it stands for."""
+    """One live streaming request: its engine id, adapter, state and the request whose
+    context it stands for (``key``; None while running)."""
 
     request_id: str
     lora_name: str | None
-    context: tuple[int, ...] | None  # None while running
+    key: Any = None  # LogprobsRequest
     state: str = "running"  # "running", "held" or "parked"
     tag: int | None = None  # capture tag of its current chunk (the same for continuations)
     job: Any = None  # the EngineJob in flight
+    next_key: Any = None  # the request of the job in flight
     last_used: int = 0
     engine_request: Any = None  # the engine request of the last chunk, template of the next
+    params: Any = None  # the SamplingParams of its last chunk (continuations reuse them)
+
+    @property
+    def context(self) -> tuple[int, ...] | None:
+        return None if self.key is None else self.key.token_ids
 
 
-@dataclass
+@dataclass(slots=True)
 class PlanEntry:
     """How one request runs: as a continuation of a held session (``tokens`` is its one new
     token) or as a chunk appended to a new or parked session (``tokens`` to add)."""
@@ -91,7 +100,8 @@ class SessionPool:
         self.capacity = max(int(capacity), 0)
         self.idle_batches = max(int(idle_batches), 1)
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
-        self._by_key: dict[tuple[str | None, tuple[int, ...]], Session] = {}
+        self._by_key: dict[Any, Session] = {}  # the request a session stands for -> session
+        self._by_context: dict[int, Session] = {}  # id of that request's token tuple -> session
         self._by_tag: dict[int, Session] = {}
         self._held: list[Session] = []
         self.decisions: dict[int, int] = {}  # tag -> token forced at the end of this step
@@ -108,7 +118,8 @@ class SessionPool:
     # ---- planning a batch -----------------------------------------------------------------
 
     def plan(self, requests: Sequence[Any]) -> list[PlanEntry | None]:
-        """Per request: how it runs through a session, or None for a plain request.
+        """Per request (a ``LogprobsRequest``): how it runs through a session, or None for a
+        plain request.
 
         Continuations set :attr:`decisions`; held sessions left out are parked. The sessions
         returned are running until their row arrives (:meth:`on_rows`) or :meth:`settle`.
@@ -118,9 +129,15 @@ class SessionPool:
         plan: list[PlanEntry | None] = [None] * len(requests)
         busy: set[str] = set()
         if self.capacity > 0:
+            by_context, by_key = self._by_context, self._by_key
             for i, request in enumerate(requests):
                 context = request.token_ids
-                session = self._by_key.get((request.lora_name, context[:-1])) if len(context) > 1 else None
+                if len(context) < 2:
+                    continue
+                parent = request.parent
+                session = by_context.get(id(parent)) if parent is not None else None
+                if session is None or session.key.token_ids is not parent or session.lora_name != request.lora_name:
+                    session = by_key.get(type(request)(context[:-1], request.lora_name))
                 if session is not None and session.request_id not in busy:
                     busy.add(session.request_id)
                     plan[i] = PlanEntry(session, context[-1:], session.state == "held")
@@ -133,34 +150,39 @@ class SessionPool:
                 if victim is None:
                     continue  # no room: a plain request
                 self.close(victim)
-            session = Session(f"genlm-session-{next(_ids)}", request.lora_name, None)
+            session = Session(f"genlm-session-{next(_ids)}", request.lora_name)
             self._sessions[session.request_id] = session
             self.num_opened += 1
             busy.add(session.request_id)
             plan[i] = PlanEntry(session, request.token_ids, False)
-        for entry in plan:
+        batch, sessions, decisions = self._batch, self._sessions, self.decisions
+        for request, entry in zip(requests, plan):
             if entry is None:
                 continue
             session = entry.session
-            if session.context is not None:
-                self._by_key.pop((session.lora_name, session.context), None)
+            if session.key is not None:
+                self._forget_key(session)
                 self.num_extended += 1
             if entry.continues:
-                self.decisions[session.tag] = entry.tokens[0]
+                decisions[session.tag] = entry.tokens[0]
                 self.num_continued += 1
-            session.context = None
+            session.next_key = request
             session.state = "running"
-            session.last_used = self._batch
-            self._sessions.move_to_end(session.request_id)
+            session.last_used = batch
+            sessions.move_to_end(session.request_id)
         return plan
 
     def bind(self, entry: PlanEntry, job: Any, tag: int) -> None:
         """Records the job (and capture tag) that runs ``entry``'s session."""
         session = entry.session
-        if session.tag is not None and session.tag != tag:
-            self._by_tag.pop(session.tag, None)
-        session.job, session.tag = job, tag
-        self._by_tag[tag] = session
+        if session.tag != tag:
+            if session.tag is not None:
+                self._by_tag.pop(session.tag, None)
+            self._by_tag[tag] = session
+            session.tag = tag
+        session.job = job
+        if not entry.continues:
+            session.params = job.params
 
     # ---- inside an engine step ------------------------------------------------------------
 
@@ -222,15 +244,23 @@ class SessionPool:
                 session.state = "parked"
 
     def _stand_for(self, session: Session, job: Any) -> None:
-        key = (session.lora_name, job.full_prompt)
+        key = session.next_key
         old = self._by_key.get(key)
         if old is not None and old is not session:
             self.close(old)
-        session.context = job.full_prompt
+        session.key, session.next_key = key, None
         if job.stream_request is not None:
             session.engine_request = job.stream_request
         session.job = None
         self._by_key[key] = session
+        self._by_context[id(key.token_ids)] = session
+
+    def _forget_key(self, session: Session) -> None:
+        key, session.key = session.key, None
+        if self._by_key.get(key) is session:
+            del self._by_key[key]
+        if self._by_context.get(id(key.token_ids)) is session:
+            del self._by_context[id(key.token_ids)]
 
     # ---- closing --------------------------------------------------------------------------
 
@@ -238,12 +268,12 @@ class SessionPool:
         """Closes one session (aborts its engine request); a closed session is a no-op."""
         if self._sessions.pop(session.request_id, None) is None:
             return
-        if session.context is not None and self._by_key.get((session.lora_name, session.context)) is session:
-            del self._by_key[(session.lora_name, session.context)]
+        if session.key is not None:
+            self._forget_key(session)
         if session.tag is not None and self._by_tag.get(session.tag) is session:
             del self._by_tag[session.tag]
         self.decisions.pop(session.tag, None)
-        session.context = None
+        session.next_key = None
         session.state = "closed"
         self.num_closed += 1
         self._abort([session.request_id])

@@ -17,6 +17,7 @@ import torch
 from vllm_fixtures import assert_matches, cpu_lora
 
 from genlm_backend.exceptions import EngineError, InvalidRequestError
+from genlm_backend.llm.base import LogprobsRequest
 
 pytestmark = [
     pytest.mark.vllm,
@@ -154,7 +155,7 @@ async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypa
     contexts = contexts_of([5, 6, 7], seed=36)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     park_sessions(vlm)  # extending a parked session adds a chunk, which vLLM may refuse
-    doomed = vlm._sessions._by_key[(None, tuple(contexts[1]))].request_id
+    doomed = vlm._sessions._by_key[LogprobsRequest(tuple(contexts[1]), None)].request_id
     original = vllm_internals.add_session_chunk
 
     def refuse(engine, request_id, *args):
