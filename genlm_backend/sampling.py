@@ -107,7 +107,8 @@ class TokenSampler:
     def _predrawn(self, row: torch.Tensor, base: torch.Tensor) -> int | None:
         """The pre-drawn token of ``row`` when it is a whole row of the block ``base``; None
         when it is not (or its token was handed out already: the caller then draws afresh)."""
-        block = self._blocks.get(id(base))
+        key = base.data_ptr()  # not id(): id() runs every audit hook (filelock installs one)
+        block = self._blocks.get(key)
         if block is None or block.base() is not base or block.version != base._version:
             if not (self.predraw or (self.predraw is None and base.device.type != "cpu")):
                 return None
@@ -117,7 +118,7 @@ class TokenSampler:
                 tokens = self._draw_rows(base)
             except ValueError:  # an all -inf row in the block: draw row by row
                 return None
-            block = self._remember_block(base, tokens)
+            block = self._remember_block(key, base, tokens)
         index, rest = divmod(row.storage_offset() - block.offset, block.stride)
         if rest or not 0 <= index < len(block.tokens) or row.shape != block.row_shape or row.stride(0) != 1:
             return None
@@ -125,15 +126,19 @@ class TokenSampler:
         if token is not None:
             block.tokens[index] = None
             block.left -= 1
-            if block.left == 0:
-                del self._blocks[id(base)]
+            if block.left == 0 and self._blocks.get(key) is block:
+                del self._blocks[key]
             self.num_predrawn += 1
         return token
 
-    def _remember_block(self, base: torch.Tensor, tokens: list[int]) -> _Block:
+    def _remember_block(self, key: int, base: torch.Tensor, tokens: list[int]) -> _Block:
         blocks = self._blocks
-        key = id(base)
-        block = blocks[key] = _Block(weakref.ref(base, lambda _, key=key: blocks.pop(key, None)), base, tokens)
+
+        def forget(ref: weakref.ref) -> None:  # the block's tensor is gone
+            if key in blocks and blocks[key].base is ref:
+                del blocks[key]
+
+        block = blocks[key] = _Block(weakref.ref(base, forget), base, tokens)
         while len(blocks) > _MAX_BLOCKS:
             del blocks[next(iter(blocks))]
         return block

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,45 +22,10 @@ from ..batching import INLINE, Batcher
 from ..cache import OutputCache
 from ..exceptions import ClosedError, InvalidRequestError
 from .adapters import Adapters
-from .validation import PromptChecker, check_max_tokens, check_temperature, check_token_ids
+from .prompts import LogprobsRequest, PromptChecker
+from .validation import check_max_tokens, check_temperature, check_token_ids
 
 __all__ = ["AsyncLM", "LogprobsRequest"]
-
-
-class LogprobsRequest:
-    """One distinct request handed to a backend: a prompt and the adapter to use.
-
-    Equal when both fields are; the hash is computed once (a prompt of a few hundred
-    tokens costs about half a microsecond to hash, and a request is looked up in several
-    tables on its way through the batcher and the backend). ``parent``, when known, is the
-    ``token_ids`` tuple of a recent request that this prompt extends by its last token
-    (the very object, so backends can find what they keep for it by identity); it takes no
-    part in equality.
-    """
-
-    __slots__ = ("token_ids", "lora_name", "parent", "_hash")
-
-    def __init__(self, token_ids: tuple[int, ...], lora_name: str | None = None, parent: tuple[int, ...] | None = None):
-        self.token_ids = token_ids
-        self.lora_name = lora_name
-        self.parent = parent
-        self._hash = hash((token_ids, lora_name))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        if not isinstance(other, LogprobsRequest):
-            return NotImplemented
-        return self._hash == other._hash and self.token_ids == other.token_ids and self.lora_name == other.lora_name
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.token_ids, self.lora_name))
-
-    def __repr__(self) -> str:
-        return f"LogprobsRequest(token_ids={self.token_ids!r:.80}, lora_name={self.lora_name!r})"
 
 
 class AsyncLM(Adapters, ABC):
@@ -113,7 +78,7 @@ class AsyncLM(Adapters, ABC):
             executor=INLINE if self._evaluates_on_loop else self._engine_thread,
             name=f"{type(self).__name__}.next_token_logprobs",
         )
-        self._prompt_checker: PromptChecker | None = None
+        self._prompts: PromptChecker | None = None
         self._init_adapters()
         self.is_closed = False
 
@@ -229,12 +194,11 @@ class AsyncLM(Adapters, ABC):
     def _request(self, token_ids: Any, lora_name: str | None) -> LogprobsRequest:
         if self.is_closed:
             self._check_open()
-        check = self._prompt_checker
-        if check is None:  # on first use: backends know their sizes once their __init__ ran
-            check = self._prompt_checker = PromptChecker(self.vocab_size, self.max_prompt_len)
-        ids, parent = check.with_parent(token_ids)
+        prompts = self._prompts
+        if prompts is None:  # on first use: backends know their sizes once their __init__ ran
+            prompts = self._prompts = PromptChecker(self.vocab_size, self.max_prompt_len)
         lora = self.active_lora if lora_name is None else self._resolve_lora(lora_name)
-        return LogprobsRequest(ids, lora, parent)
+        return prompts.request(token_ids, lora)
 
     def _requests(self, token_ids_list: Iterable[Any], lora_name: str | None) -> list[LogprobsRequest]:
         if isinstance(token_ids_list, (str, bytes)) or not isinstance(token_ids_list, Iterable):

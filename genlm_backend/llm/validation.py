@@ -10,7 +10,7 @@ import torch
 
 from ..exceptions import InvalidRequestError, InvalidRequestTypeError
 
-__all__ = ["PromptChecker", "check_token_ids", "check_max_tokens", "check_temperature"]
+__all__ = ["check_token_ids", "check_max_tokens", "check_temperature"]
 
 
 def check_token_ids(
@@ -44,50 +44,6 @@ def check_token_ids(
             f"prompt of {len(ids)} tokens is longer than the model's limit of {max_len} tokens"
         )
     return ids
-
-
-class PromptChecker:
-    """:func:`check_token_ids` for one model's prompts, cheaper for a prompt that extends a
-    recently checked one by a token (what a sampler sends every step).
-
-    A prompt whose ids are all plain ints and whose prefix (all but the last id) passed
-    recently needs only its last id checked against the vocabulary; every other prompt
-    takes the full check. Remembers between ``remember`` and ``2 * remember`` of the
-    prompts that passed last.
-    """
-
-    def __init__(self, vocab_size: int, max_len: int | None, remember: int = 4096):
-        self.vocab_size = vocab_size
-        self.max_len = max_len
-        self.remember = remember
-        # Two generations: the newer fills up, then replaces the older (no per-entry eviction).
-        self._new: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._old: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-    def __call__(self, token_ids: Any) -> tuple[int, ...]:
-        return self.with_parent(token_ids)[0]
-
-    def with_parent(self, token_ids: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-        """The checked ids, and the recently checked prompt they extend by one token (the
-        tuple this checker returned for it), or None."""
-        if type(token_ids) is list or type(token_ids) is tuple:
-            ids = tuple(token_ids)
-            n = len(ids)
-            # ``==`` only stands for "same ids" between plain ints (1.0 == 1): types first.
-            if n > 1 and list(map(type, ids)).count(int) == n and 0 <= ids[-1] < self.vocab_size:
-                prefix = ids[:-1]
-                parent = self._new.get(prefix) or self._old.get(prefix)
-                if parent is not None and (self.max_len is None or n <= self.max_len):
-                    self._remember(ids)
-                    return ids, parent
-        ids = check_token_ids(token_ids, self.vocab_size, self.max_len)
-        self._remember(ids)
-        return ids, None
-
-    def _remember(self, ids: tuple[int, ...]) -> None:
-        self._new[ids] = ids
-        if len(self._new) >= self.remember:
-            self._old, self._new = self._new, {}
 
 
 def _as_int_tuple(token_ids: Any) -> tuple[int, ...]:

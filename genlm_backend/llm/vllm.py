@@ -118,6 +118,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         self._vocab_size = int(self._model_config.get_vocab_size())
         self._runner = EngineRunner(llm)
         self._sink = vllm_internals.CaptureSink()
+        # A log-probability job's row, where it is taken when its request finishes.
+        self._runner.default_convert = lambda job, output: self._sink.take(job.tag)
         self._can_capture = can_capture
         self._lora_requests: dict[str, Any] = {}
         engine = llm.llm_engine
@@ -246,7 +248,6 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
                 None if session is None else session.request_id, request.token_ids,
                 None if session is None else session.engine_request, False, tag, batch, i,
             )
-        job.convert = lambda output: sink.take(tag)
         if sink.discarded is not None:
             sink.expect(tag, job.finish)
         if entry is not None:

@@ -34,7 +34,7 @@ class EngineJob:
 
     prompt: tuple[int, ...]
     params: Any  # vllm.SamplingParams
-    convert: Callable[[Any], Any] | None  # RequestOutput -> result
+    convert: Callable[[Any], Any] | None  # RequestOutput -> result (None: the runner's default)
     lora_request: Any = None
     # A session chunk: ``prompt`` is appended to the live streaming request ``stream_id``
     # (opened by the first chunk); ``full_prompt`` is the whole context, for a retry as a
@@ -121,6 +121,8 @@ class EngineRunner:
         # sessions that are not part of ``jobs``.
         self.on_stall: Callable[[Sequence[EngineJob]], bool] | None = None
         self.stall_timeout_s = 60.0
+        # (job, RequestOutput) -> result, for jobs without their own ``convert``.
+        self.default_convert: Callable[[EngineJob, Any], Any] = lambda job, output: output
         self.in_step = False
         self._deferred_aborts: list[str] = []
         self._current: Sequence[EngineJob] = ()
@@ -228,7 +230,7 @@ class EngineRunner:
                         continue
                     del running[output.request_id]
                     try:
-                        result = job.convert(output)
+                        result = job.convert(output) if job.convert is not None else self.default_convert(job, output)
                     except Exception as exc:  # noqa: BLE001 - this job's own failure
                         result = exc
                     self.finish(job, result)

@@ -18,9 +18,9 @@ row it produced last. It is in one of three states:
   re-adds the request to the engine's batch once.
 
 Matching (:meth:`SessionPool.plan`): a request for context ``C`` (adapter ``A``) uses the
-session of ``(A, C[:-1])`` when that session is free in this batch; it is found by the
-identity of the request's ``parent`` (the prompt checker hands out the very tuple the
-session stands for: no hashing of long contexts), else by value. Particles that share a
+session of ``(A, C[:-1])`` when that session is free in this batch; it is found through the
+request's ``parent`` (the request of ``C[:-1]``, whose ``kept`` is the session standing for
+it: no hashing of long contexts), else by value. Particles that share a
 context after resampling can extend it only once; the others open new sessions (over the
 whole context: vLLM's prefix cache still skips most of the prefill). Requests that find no
 room run as plain one-shot requests.
@@ -101,7 +101,6 @@ class SessionPool:
         self.idle_batches = max(int(idle_batches), 1)
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._by_key: dict[Any, Session] = {}  # the request a session stands for -> session
-        self._by_context: dict[int, Session] = {}  # id of that request's token tuple -> session
         self._by_tag: dict[int, Session] = {}
         self._held: list[Session] = []
         self.decisions: dict[int, int] = {}  # tag -> token forced at the end of this step
@@ -129,14 +128,14 @@ class SessionPool:
         plan: list[PlanEntry | None] = [None] * len(requests)
         busy: set[str] = set()
         if self.capacity > 0:
-            by_context, by_key = self._by_context, self._by_key
+            by_key = self._by_key
             for i, request in enumerate(requests):
                 context = request.token_ids
                 if len(context) < 2:
                     continue
                 parent = request.parent
-                session = by_context.get(id(parent)) if parent is not None else None
-                if session is None or session.key.token_ids is not parent or session.lora_name != request.lora_name:
+                session = None if parent is None else parent.kept
+                if session is None or session.key is not parent:
                     session = by_key.get(type(request)(context[:-1], request.lora_name))
                 if session is not None and session.request_id not in busy:
                     busy.add(session.request_id)
@@ -253,14 +252,14 @@ class SessionPool:
             session.engine_request = job.stream_request
         session.job = None
         self._by_key[key] = session
-        self._by_context[id(key.token_ids)] = session
+        key.kept = session
 
     def _forget_key(self, session: Session) -> None:
         key, session.key = session.key, None
         if self._by_key.get(key) is session:
             del self._by_key[key]
-        if self._by_context.get(id(key.token_ids)) is session:
-            del self._by_context[id(key.token_ids)]
+        if key.kept is session:
+            key.kept = None
 
     # ---- closing --------------------------------------------------------------------------
 

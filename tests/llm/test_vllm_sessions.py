@@ -17,7 +17,7 @@ import torch
 from vllm_fixtures import assert_matches, cpu_lora
 
 from genlm_backend.exceptions import EngineError, InvalidRequestError
-from genlm_backend.llm.base import LogprobsRequest
+from genlm_backend.llm.prompts import LogprobsRequest
 
 pytestmark = [
     pytest.mark.vllm,

@@ -1,0 +1,85 @@
+"""PromptChecker: requests made from what callers pass, cheaply for prompts that extend one.
+
+The reference is the full check (``check_token_ids``): every prompt the fast path takes must
+come out as the same ids, and every prompt it refuses must fail as the full check fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from genlm_backend.exceptions import InvalidRequestError, InvalidRequestTypeError
+from genlm_backend.llm.prompts import LogprobsRequest, PromptChecker
+from genlm_backend.llm.validation import check_token_ids
+
+V = 100
+
+
+def test_an_extension_is_linked_to_the_request_it_extends():
+    checker = PromptChecker(V, max_len=10)
+    first = checker.request([5, 6, 7], None)
+    assert first.parent is None and first.token_ids == (5, 6, 7)
+    second = checker.request([5, 6, 7, 8], None)
+    assert second.parent is first and second.token_ids == (5, 6, 7, 8)
+    assert second.token_ids[:3] is not None and all(type(t) is int for t in second.token_ids)
+    other_adapter = checker.request([5, 6, 7, 9], "adapter")
+    assert other_adapter.parent is None  # the same ids under another adapter are another prompt
+
+
+@pytest.mark.parametrize("last, error", [
+    (-1, InvalidRequestError), (V, InvalidRequestError), (2.0, InvalidRequestTypeError),
+    (True, InvalidRequestTypeError), ("3", InvalidRequestTypeError),
+])
+def test_a_bad_last_id_fails_as_the_full_check_does(last, error):
+    checker = PromptChecker(V, max_len=10)
+    checker.request([5, 6], None)
+    with pytest.raises(error):
+        checker.request([5, 6, last], None)
+    with pytest.raises(error):
+        check_token_ids([5, 6, last], V, 10)
+
+
+def test_an_extension_past_the_length_limit_fails():
+    checker = PromptChecker(V, max_len=3)
+    checker.request([1, 2, 3], None)
+    with pytest.raises(InvalidRequestError, match="longer than"):
+        checker.request([1, 2, 3, 4], None)
+
+
+def test_every_id_is_a_plain_int_whatever_the_caller_passed():
+    checker = PromptChecker(V, max_len=None)
+    checker.request([np.int64(4), 5], None)  # the full check turns numpy ints into ints
+    extended = checker.request([4, 5, 6], None)
+    assert extended.parent is not None and [type(t) for t in extended.token_ids] == [int, int, int]
+    # An id changed in place into an equal non-int is read as that int (documented).
+    assert checker.request([4.0, 5, 6, 7], None).token_ids == (4, 5, 6, 7)
+    # An unequal one is another prompt: full check, refused.
+    with pytest.raises(InvalidRequestTypeError):
+        checker.request([4.5, 5, 6, 7], None)
+
+
+def test_equal_prompts_get_the_same_request():
+    checker = PromptChecker(V, max_len=None)
+    a = checker.request([1, 2, 3], None)
+    assert checker.request((1, 2, 3), None) is a
+    assert checker.request([1, 2, 3], "adapter") is not a
+
+
+def test_requests_do_not_keep_their_ancestors_alive():
+    checker = PromptChecker(V, max_len=None, remember=2)  # forgets fast
+    first = checker.request([1, 2], None)
+    context = [1, 2]
+    for token in range(3, 40):
+        context.append(token % V)
+        last = checker.request(context, None)
+    # A link to the parent only: neither the checker nor the chain holds the first request.
+    assert last.parent is not None and last.parent.parent is None
+    assert not any(r is first for gen in (checker._new, checker._old) for r in gen)
+
+
+def test_requests_are_equal_by_prompt_and_adapter():
+    a, b = LogprobsRequest((1, 2), None), LogprobsRequest((1, 2), None)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != LogprobsRequest((1, 2), "x") and a != LogprobsRequest((1, 3), None)
+    assert tuple(a) == ((1, 2), None)
