@@ -158,3 +158,16 @@ async def test_rows_on_the_cpu_are_not_pre_drawn_by_default():
     rows = BLOCK_PROBS.log().clone().unbind(0)
     await asyncio.gather(*(sampler.sample(r) for r in rows))
     assert sampler.num_predrawn == 0 and sampler.stats.num_batches == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_blocks_on_the_gpu_are_pre_drawn_by_default():
+    sampler = TokenSampler(seed=12)
+    counts = torch.zeros(3, 5)
+    for _ in range(2000):
+        rows = BLOCK_PROBS.log().to("cuda").unbind(0)
+        for i, row in enumerate(rows):
+            counts[i, await sampler.sample(row)] += 1
+    assert sampler.num_predrawn == 3 * 2000
+    for i in range(3):
+        assert chi_square(counts[i], BLOCK_PROBS[i]) < CHI2_1E4[4]
