@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--particles", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--context", type=int, default=128, help="prompt length (tokens)")
-    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32, help="row length (short: the draws cost next to nothing)")
     parser.add_argument("--samplers", nargs="+", default=["race", "batched", "predraw"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
