@@ -231,17 +231,10 @@ class LoopQueue:
         for i, entry in enumerate(batch):
             if running.get(entry.key) is entry:
                 del running[entry.key]
-            waiters = entry.waiters
             if error is not None:
-                fail_all(waiters, lambda: _engine_error(error, len(batch)))
-            elif len(waiters) == 1 and not isinstance(results[i], BaseException):  # the usual case
-                if not waiters[0].done():
-                    try:
-                        waiters[0].set_result(results[i])
-                    except RuntimeError:  # its loop is closed: the future is marked done all the same
-                        pass
+                fail_all(entry.waiters, lambda: _engine_error(error, len(batch)))
             else:
-                _resolve_all(waiters, results[i], self.batcher.copy_result)
+                _resolve_all(entry.waiters, results[i], self.batcher.copy_result)
         self.is_busy = False
         if not self.loop.is_closed():
             self.schedule()
@@ -277,6 +270,13 @@ def fail_all(waiters: list[asyncio.Future], error_factory: Callable[[], BaseExce
 
 
 def _resolve_all(waiters: list[asyncio.Future], result: Any, copy_result: Callable) -> None:
+    if len(waiters) == 1 and not isinstance(result, BaseException):  # the usual case, no copy
+        if not waiters[0].done():
+            try:
+                waiters[0].set_result(result)
+            except RuntimeError:  # its loop is closed: the future is marked done all the same
+                pass
+        return
     live = [fut for fut in waiters if not fut.done()]
     for i, fut in enumerate(live):
         if isinstance(result, BaseException):

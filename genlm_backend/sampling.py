@@ -114,6 +114,8 @@ class TokenSampler:
                 return None
             if base.dim() != 2 or base.stride(1) != 1 or not base.is_floating_point() or base.shape[1] == 0:
                 return None
+            if row.shape != base.shape[1:] or (row.storage_offset() - base.storage_offset()) % base.stride(0):
+                return None  # not a whole row of the block: nothing to draw the block for
             try:
                 tokens = self._draw_rows(base)
             except ValueError:  # an all -inf row in the block: draw row by row
@@ -153,12 +155,10 @@ class TokenSampler:
         return self._batcher.stats
 
     def _draw_batch(self, draws: Sequence[_Draw]) -> list[Any]:
-        first = draws[0].row
-        if all(d.row.shape == first.shape and d.row.device == first.device for d in draws):
-            try:  # the usual case: one stack, one draw
-                return self._draw_rows(torch.stack([d.row for d in draws]))
-            except ValueError:  # an all -inf row: find it below
-                pass
+        try:  # the usual case: rows of one length on one device, one stack, one draw
+            return self._draw_rows(torch.stack([d.row for d in draws]))
+        except (RuntimeError, ValueError):  # lengths or devices differ, or an all -inf row
+            pass
         results: list[Any] = [None] * len(draws)
         groups: dict[tuple, list[int]] = {}
         for i, draw in enumerate(draws):

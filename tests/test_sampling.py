@@ -141,7 +141,7 @@ async def test_views_that_are_not_whole_rows_are_drawn_on_their_own():
     assert await sampler.sample(block[1, 1:]) == 0  # the view [0.0, -inf]
     assert await sampler.sample(block[1, :2]) == 1  # the view [-inf, 0.0]
     assert await sampler.sample(block[:, 1]) == 1  # a column: [-inf, 0.0]
-    assert sampler.num_predrawn == 0
+    assert sampler.num_predrawn == 0 and not sampler._blocks  # the block itself was never drawn
 
 
 async def test_an_all_inf_row_in_a_block_fails_only_its_caller():

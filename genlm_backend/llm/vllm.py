@@ -232,7 +232,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
 
     def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
         sink = self._sink
-        lora_request = None if request.lora_name is None else self._lora_requests[request.lora_name]
+        lora_request = self._lora_request(request.lora_name)
         if entry is not None and entry.continues:  # the session's tag and parameters stay
             session = entry.session
             tag = session.tag

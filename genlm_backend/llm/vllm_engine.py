@@ -178,7 +178,7 @@ class EngineRunner:
                 for job in pending:
                     error = EngineError(f"out of device memory even for a single request: {exc!r}")
                     error.__cause__ = exc
-                    self.finish(job, error)
+                    job.finish(error)
                 return
             self.stats.num_oom_splits += 1
             half = len(pending) // 2
@@ -206,7 +206,7 @@ class EngineRunner:
                             engine, request_id, job.prompt, job.params, job.lora_request, job.stream_request
                         )
                 except Exception as exc:  # noqa: BLE001 - vLLM refused this request only
-                    self.finish(job, _invalid(exc))
+                    job.finish(_invalid(exc))
                     continue
                 running[request_id] = job
                 uncounted.add(request_id)
@@ -233,11 +233,11 @@ class EngineRunner:
                         result = job.convert(output) if job.convert is not None else self.default_convert(job, output)
                     except Exception as exc:  # noqa: BLE001 - this job's own failure
                         result = exc
-                    self.finish(job, result)
+                    job.finish(result)
                 # Log-probability rows arrive inside the step that computes them.
                 running = {rid: job for rid, job in running.items() if not job.is_done}
             for job in running.values():
-                self.finish(job, EngineError("the engine finished without returning this request"))
+                job.finish(EngineError("the engine finished without returning this request"))
             running.clear()
         finally:
             if running:
@@ -258,11 +258,6 @@ class EngineRunner:
             raise EngineError(f"the engine scheduled nothing for {self.stall_timeout_s} s: its slots or KV "
                               "blocks are held by requests it cannot finish")
         return since
-
-    @staticmethod
-    def finish(job: EngineJob, result: Any) -> None:
-        """Gives ``job`` its result (once) and hands it over."""
-        job.finish(result)
 
 
 class RowBatch:

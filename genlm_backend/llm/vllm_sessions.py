@@ -63,10 +63,6 @@ class Session:
     engine_request: Any = None  # the engine request of the last chunk, template of the next
     params: Any = None  # the SamplingParams of its last chunk (continuations reuse them)
 
-    @property
-    def context(self) -> tuple[int, ...] | None:
-        return None if self.key is None else self.key.token_ids
-
 
 @dataclass(slots=True)
 class PlanEntry:
