@@ -62,7 +62,7 @@ class InstantLM(AsyncLM):
 
 async def lockstep(lm: InstantLM, prompt: list[int], num_particles: int, num_steps: int, sampler: str) -> None:
     # "predraw": the batched sampler as it runs on a GPU (a block's rows drawn at once).
-    draws = ParticleDraws("batched" if sampler == "predraw" else sampler, seed=0, predraw=sampler == "predraw" or None)
+    draws = ParticleDraws(sampler, seed=0)
 
     async def particle() -> None:
         context = list(prompt)

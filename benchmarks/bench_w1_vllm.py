@@ -46,6 +46,10 @@ GPU_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32
                   intermediate_size=8192)
 TINY_CONFIG = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                    intermediate_size=256)
+# A model whose forward pass costs next to nothing on a CPU (256 outputs, one small layer): a
+# step is then all host-side work, ours and vLLM's, as on a GPU where the forward is fast.
+MICRO_CONFIG = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    intermediate_size=128, vocab_size=256)
 
 
 def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.dtype) -> Path:
@@ -66,9 +70,9 @@ def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.save_pretrained(str(out))
-    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         torch_dtype=str(dtype).removeprefix("torch."), **arch)
+    config = LlamaConfig(**{"vocab_size": len(tokenizer), **arch}, max_position_embeddings=4096,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, torch_dtype=str(dtype).removeprefix("torch."))
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -103,8 +107,9 @@ def run(args: argparse.Namespace) -> dict:
                                 torch.bfloat16)
         engine_opts = {"gpu_memory_utilization": 0.6, "max_model_len": 2048}
     else:
-        model_dir = build_model(Path(args.model_dir or "/tmp/w1_tiny_llama"), args.tokenizer_dir, TINY_CONFIG,
-                                torch.float32)
+        arch = MICRO_CONFIG if args.micro else TINY_CONFIG
+        default_dir = "/tmp/w1_micro_llama" if args.micro else "/tmp/w1_tiny_llama"
+        model_dir = build_model(Path(args.model_dir or default_dir), args.tokenizer_dir, arch, torch.float32)
         engine_opts = {"max_model_len": 512, "dtype": "float32", **({"block_size": args.block_size} if args.block_size else {})}
     engine_opts["seed"] = args.seed
     for item in args.engine_opt:
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     gc_pauses = GcPauses()
     llm = lm.underlying_model
     rng = random.Random(args.seed)
-    prompt = [rng.randrange(1000, lm.vocab_size) for _ in range(args.prompt_len)]
+    prompt = [rng.randrange(min(1000, lm.vocab_size // 2), lm.vocab_size) for _ in range(args.prompt_len)]
     rows = []
     for n in args.particles:
         def ours() -> None:
@@ -198,6 +203,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="W1 lockstep SMC on AsyncVirtualLM vs vLLM's decode loop")
     parser.add_argument("--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA")
     parser.add_argument("--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)")
+    parser.add_argument("--micro", action="store_true",
+                        help="CPU: a 256-output one-layer model whose forward costs next to nothing, so a step "
+                             "is host-side work only (a CPU stand-in for where a GPU run's time goes)")
     parser.add_argument("--model-dir", default=None, help="where the random model is built (reused if present)")
     parser.add_argument("--particles", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--steps", type=int, default=None, help="T (default: 32 on GPU, 8 on CPU)")
@@ -216,9 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.steps is None:
-        args.steps = 32 if args.gpu else 8
+        args.steps = 32 if args.gpu or args.micro else 8
     if args.prompt_len is None:
-        args.prompt_len = 128 if args.gpu else 32
+        args.prompt_len = 128 if args.gpu or args.micro else 32
     if args.gpu and args.tokenizer_dir is None:
         parser.error("--gpu needs --tokenizer-dir (run benchmarks/prepare_gpu_assets.py)")
     return args
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "sample_s", "gc_s", "gc_s_floor", "other_us_per_request")
                if c in result["rows"][0]]
     print_table(result["rows"], columns)
-    name = "w1_vllm_gpu" if args.gpu else "w1_vllm_cpu"
+    name = "w1_vllm_gpu" if args.gpu else "w1_vllm_cpu_micro" if args.micro else "w1_vllm_cpu"
     print("wrote", write_json(name, result, args.out_dir))
     return result
 

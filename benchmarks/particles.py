@@ -8,7 +8,9 @@ of a uniform draw in the cumulative probabilities, about 70 us there, the CPU's 
 own sampler uses: four kernels, the fewest launches, which is what a per-row GPU draw pays for);
 ``batched``, the particles share a :class:`genlm_backend.sampling.TokenSampler`, so the draws
 awaited in one step run as one exponential race over the stacked rows (one set of kernels and
-one host copy per step instead of per particle).
+one host copy per step instead of per particle); ``predraw``, the same with a block's rows
+drawn at the first draw from one of them on every device (the GPU default; on a CPU it shows
+what the rest of the workload costs when draws cost what they cost on a GPU).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from genlm_backend.sampling import TokenSampler
 
-SAMPLERS = ("multinomial", "cdf", "race", "batched")
+SAMPLERS = ("multinomial", "cdf", "race", "batched", "predraw")
 
 
 class ParticleDraws:
@@ -29,7 +31,11 @@ class ParticleDraws:
     def __init__(self, sampler: str, seed: int, predraw: bool | None = None):
         self.sampler, self.seed = sampler, seed
         self.generator: torch.Generator | None = None
+        if sampler == "predraw":
+            sampler, predraw = "batched", True
         self.token_sampler = TokenSampler(seed=seed, predraw=predraw) if sampler == "batched" else None
+        if self.token_sampler is not None:
+            self.draw = self.token_sampler.sample  # what a particle would call: no wrapper coroutine
 
     async def draw(self, row: torch.Tensor) -> int:
         if self.token_sampler is not None:
@@ -42,7 +48,7 @@ class ParticleDraws:
 def sample_rows(logprobs: torch.Tensor, generator: torch.Generator, sampler: str = "cdf") -> torch.Tensor:
     """One token id per row of ``logprobs`` (``[V]`` or ``[N, V]``), drawn on their device;
     shape ``[1]`` or ``[N, 1]``."""
-    if sampler in ("race", "batched"):
+    if sampler in ("race", "batched", "predraw"):
         noise = torch.empty_like(logprobs).exponential_(generator=generator)
         return torch.argmax(logprobs.exp().div_(noise), dim=-1, keepdim=True)
     probs = logprobs.exp()
@@ -57,8 +63,8 @@ def time_draws(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int
     """Seconds for N*T one-row draws as W1's particles make them (each ending in a host
     sync; with ``batched``, T batches of N awaited draws), on the stored ``rows [R, V]``: a
     cost of the workload's sampling, not of a backend."""
-    if sampler == "batched":
-        return _time_batched_draws(rows, num_particles, num_steps, seed)
+    if sampler in ("batched", "predraw"):
+        return _time_batched_draws(rows, num_particles, num_steps, seed, sampler)
     generator = torch.Generator(device=rows.device).manual_seed(seed)
     if rows.is_cuda:
         torch.cuda.synchronize(rows.device)
@@ -69,8 +75,8 @@ def time_draws(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int
     return time.perf_counter() - start
 
 
-def _time_batched_draws(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int) -> float:
-    draws = ParticleDraws("batched", seed)
+def _time_batched_draws(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int, sampler: str) -> float:
+    draws = ParticleDraws(sampler, seed)
     picked = [rows[i % rows.shape[0]] for i in range(num_particles)]
 
     async def steps() -> None:

@@ -73,6 +73,7 @@ def install() -> None:
     wrap(vllm_sessions.SessionPool, "plan", None, "sessions_planned")
     wrap(vllm.AsyncVirtualLM, "_on_step", "on_step", None)
     wrap(_batch_queue.LoopQueue, "start", "batch_start", None)
+    wrap(_batch_queue.LoopQueue, "finish", "resolve", "resolved")
     wrap(base.AsyncLM, "next_token_logprobs", "request", None)
 
 
@@ -103,10 +104,11 @@ def step_intervals(events: list[tuple[str, int, bool]]) -> dict[str, float]:
 
 
 def main() -> None:
-    args = parse_args(sys.argv[1:] + ["--sessions", "on", "--sampler", "batched"])
+    args = parse_args(sys.argv[1:] + ["--sessions", "on"])
+    sampler = "batched" if args.gpu else "predraw"  # a block's rows drawn at once, as on a GPU
     from vllm import SamplingParams, TokensPrompt
 
-    from benchmarks.bench_w1_vllm import GPU_CONFIG, TINY_CONFIG, build_model
+    from benchmarks.bench_w1_vllm import GPU_CONFIG, MICRO_CONFIG, TINY_CONFIG, build_model
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     import torch
@@ -115,19 +117,20 @@ def main() -> None:
         model_dir = build_model(Path(args.model_dir or "/tmp/w1_llama_1b"), args.tokenizer_dir, GPU_CONFIG, torch.bfloat16)
         opts = {"gpu_memory_utilization": 0.6, "max_model_len": 2048}
     else:
-        model_dir = build_model(Path(args.model_dir or "/tmp/w1_tiny_llama"), args.tokenizer_dir, TINY_CONFIG, torch.float32)
+        arch, default_dir = (MICRO_CONFIG, "/tmp/w1_micro_llama") if args.micro else (TINY_CONFIG, "/tmp/w1_tiny_llama")
+        model_dir = build_model(Path(args.model_dir or default_dir), args.tokenizer_dir, arch, torch.float32)
         opts = {"max_model_len": 512, "dtype": "float32"}
     install()  # before the model: its batchers keep the methods they are given
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts={**opts, "seed": 0}, batch_size=max(args.particles))
     install_engine(lm.underlying_model.llm_engine)
-    prompt = list(range(1000, 1000 + args.prompt_len))
+    prompt = [100 + i % (lm.vocab_size - 100) for i in range(args.prompt_len)]
     for n in args.particles:
-        asyncio.run(lockstep_smc(lm, prompt, n, args.steps, 0, "batched"))  # warm-up
+        asyncio.run(lockstep_smc(lm, prompt, n, args.steps, 0, sampler))  # warm-up
         ours, floors = [], []
         for _ in range(args.repeats):
             EVENTS.clear()
             start = time.perf_counter()
-            asyncio.run(lockstep_smc(lm, prompt, n, args.steps, 0, "batched"))
+            asyncio.run(lockstep_smc(lm, prompt, n, args.steps, 0, sampler))
             ours.append(time.perf_counter() - start)
             run_events = list(EVENTS)
             lm.close_sessions()

@@ -153,17 +153,28 @@ class LoopQueue:
             return
         batcher = self.batcher
         if len(self.pending) <= batcher.max_batch_size:
-            batch, self.pending = list(self.pending.values()), {}
+            taken, self.pending = self.pending.values(), {}
         else:
-            batch = [self.pending.pop(k) for k in list(self.pending)[: batcher.max_batch_size]]
-        keys = [entry.key for entry in batch]
-        now = time.perf_counter()
-        for entry in batch:
-            self.running[entry.key] = entry
-            batcher.stats.queue_wait_s += now - entry.queued_at
+            taken = [self.pending.pop(k) for k in list(self.pending)[: batcher.max_batch_size]]
+        batch, keys = [], []
+        now, wait = time.perf_counter(), 0.0
+        running = self.running
+        for entry in taken:
+            waiters = entry.waiters
+            if waiters[0].done() and (len(waiters) == 1 or all(f.done() for f in waiters)):
+                continue  # every awaiter cancelled (``Batcher.enqueue`` forgets lazily)
+            batch.append(entry)
+            keys.append(entry.key)
+            running[entry.key] = entry
+            wait += now - entry.queued_at
+        if not batch:
+            self.schedule()
+            return
+        stats = batcher.stats
+        stats.queue_wait_s += wait
         self.is_busy = True
-        batcher.stats.num_batches += 1
-        batcher.stats.num_evaluated += len(batch)
+        stats.num_batches += 1
+        stats.num_evaluated += len(batch)
         if batcher.runs_inline:
             start = time.perf_counter()
             try:
@@ -228,13 +239,27 @@ class LoopQueue:
         if error is not None:
             stats.num_failed_batches += 1
         running = self.running
-        for i, entry in enumerate(batch):
-            if running.get(entry.key) is entry:
-                del running[entry.key]
-            if error is not None:
+        if error is not None:
+            for entry in batch:
+                if running.get(entry.key) is entry:
+                    del running[entry.key]
                 fail_all(entry.waiters, lambda: _engine_error(error, len(batch)))
-            else:
-                _resolve_all(entry.waiters, results[i], self.batcher.copy_result)
+        else:
+            copy_result = self.batcher.copy_result
+            for entry, result in zip(batch, results):
+                key = entry.key
+                if running.get(key) is entry:
+                    del running[key]
+                waiters = entry.waiters
+                if len(waiters) == 1 and not isinstance(result, BaseException):  # the usual case
+                    fut = waiters[0]
+                    if not fut.done():
+                        try:
+                            fut.set_result(result)
+                        except RuntimeError:  # its loop is closed: the future is done all the same
+                            pass
+                else:
+                    _resolve_all(waiters, result, copy_result)
         self.is_busy = False
         if not self.loop.is_closed():
             self.schedule()
@@ -270,13 +295,6 @@ def fail_all(waiters: list[asyncio.Future], error_factory: Callable[[], BaseExce
 
 
 def _resolve_all(waiters: list[asyncio.Future], result: Any, copy_result: Callable) -> None:
-    if len(waiters) == 1 and not isinstance(result, BaseException):  # the usual case, no copy
-        if not waiters[0].done():
-            try:
-                waiters[0].set_result(result)
-            except RuntimeError:  # its loop is closed: the future is marked done all the same
-                pass
-        return
     live = [fut for fut in waiters if not fut.done()]
     for i, fut in enumerate(live):
         if isinstance(result, BaseException):

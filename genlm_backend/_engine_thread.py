@@ -38,11 +38,17 @@ class _Task:
 
 
 class EngineThread(concurrent.futures.Executor):
-    """A single worker thread that runs submitted calls in order (daemon, started at once)."""
+    """A single worker thread that runs submitted calls in order (daemon, started at once).
+
+    Tasks wait in a deque; the worker sleeps on a plain lock used as a wake-up signal (a
+    submit releases it), which hands a task over faster than a ``threading.Condition``:
+    lockstep sampling hands the engine thread a batch every step.
+    """
 
     def __init__(self, name: str = "genlm-engine"):
         self._queue: collections.deque[_Task] = collections.deque()
-        self._cond = threading.Condition()
+        self._wakeup = threading.Lock()
+        self._wakeup.acquire()  # released: "look at the queue"
         self._closed = False
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -60,15 +66,20 @@ class EngineThread(concurrent.futures.Executor):
         return self._put(_Task(fn, args, kwargs, False), front=True)
 
     def _put(self, task: _Task, front: bool) -> concurrent.futures.Future:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            if front:
-                self._queue.appendleft(task)
-            else:
-                self._queue.append(task)
-            self._cond.notify_all()
+        if self._closed:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        if front:
+            self._queue.appendleft(task)
+        else:
+            self._queue.append(task)
+        self._wake()
         return task.future
+
+    def _wake(self) -> None:
+        try:
+            self._wakeup.release()
+        except RuntimeError:  # released already, not looked at yet: the worker will see the task
+            pass
 
     @property
     def on_thread(self) -> bool:
@@ -84,37 +95,49 @@ class EngineThread(concurrent.futures.Executor):
         if not self.on_thread:
             raise RuntimeError("EngineThread.hold runs on the engine thread only")
         deadline = time.monotonic() + timeout
+        queue = self._queue
         while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
+            if self._closed:
+                return False
+            if queue:
+                try:
+                    if not queue[0].hold_safe:
                         return False
-                    self._cond.wait(left)
-                if self._closed or not self._queue[0].hold_safe:
-                    return False
-                task = self._queue.popleft()
-            task.run()
-            if until():
-                return True
+                    task = queue.popleft()
+                except IndexError:  # emptied by a shutdown meanwhile
+                    continue
+                task.run()
+                if until():
+                    return True
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._wakeup.acquire(timeout=left)
 
     def _work(self) -> None:
+        queue = self._queue
         while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                task = self._queue.popleft()
-            task.run()
-            del task
+            if queue:
+                try:
+                    task = queue.popleft()
+                except IndexError:  # emptied by a shutdown meanwhile
+                    continue
+                task.run()
+                del task
+            elif self._closed:
+                return
+            else:
+                self._wakeup.acquire()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._cond:
-            self._closed = True
-            if cancel_futures:
-                while self._queue:
+        self._closed = True
+        if cancel_futures:
+            while self._queue:
+                try:
                     self._queue.popleft().future.cancel()
-            self._cond.notify_all()
+                except IndexError:  # taken by the worker meanwhile
+                    break
+        self._wake()
         if wait and not self.on_thread:
             self._thread.join()

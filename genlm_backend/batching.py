@@ -187,6 +187,21 @@ class Batcher(Generic[K, R]):
             queue.forget(key, fut)
             raise
 
+    def enqueue(self, key: K) -> asyncio.Future:
+        """Queues ``key`` and returns the future of its result, on the running event loop.
+
+        :meth:`submit` without its coroutine (for callers that await the future in their
+        own): the same guarantees, except that a cancelled future leaves the queue lazily,
+        when its batch is taken (it is still never evaluated unless someone else awaits it).
+
+        Raises:
+            ClosedError: the batcher was closed.
+        """
+        if self.is_closed:
+            raise ClosedError(f"{self.name} is closed")
+        loop = asyncio.get_running_loop()
+        return (self._queues.get(loop) or self._queue_for(loop)).add(key)
+
     def _queue_for(self, loop: asyncio.AbstractEventLoop) -> LoopQueue:
         queue = self._queues.get(loop)
         if queue is None:

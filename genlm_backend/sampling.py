@@ -122,7 +122,7 @@ class TokenSampler:
                 return None
             block = self._remember_block(key, base, tokens)
         index, rest = divmod(row.storage_offset() - block.offset, block.stride)
-        if rest or not 0 <= index < len(block.tokens) or row.shape != block.row_shape or row.stride(0) != 1:
+        if rest or not 0 <= index < len(block.tokens) or row.shape != block.row_shape or not row.is_contiguous():
             return None
         token = block.tokens[index]
         if token is not None:

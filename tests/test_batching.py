@@ -156,6 +156,28 @@ async def test_cancelling_one_awaiter_leaves_the_others_alone():
     batcher.close()
 
 
+async def test_a_cancelled_enqueued_key_is_dropped_before_it_runs():
+    rec = Recorder()
+    batcher = Batcher(rec, timeout=0.05, flush="timer")
+
+    async def caller(key):
+        return await batcher.enqueue(key)
+
+    keep = asyncio.ensure_future(caller(1))
+    drop_shared = asyncio.ensure_future(caller(1))
+    drop_alone = asyncio.ensure_future(caller(2))
+    await asyncio.sleep(0)
+    drop_shared.cancel()
+    drop_alone.cancel()
+    assert float(await keep) == 10.0
+    assert drop_shared.cancelled() and drop_alone.cancelled()
+    assert rec.batches == [[1]]  # key 2 lost its only awaiter before it ran: never evaluated
+    assert batcher.stats.num_evaluated == 1
+    batcher.close()
+    with pytest.raises(ClosedError):
+        batcher.enqueue(3)
+
+
 async def test_cancelling_during_evaluation_leaves_the_others_alone():
     rec = Recorder(delay=0.2)
     batcher = Batcher(rec, timeout=0.0)
@@ -317,9 +339,10 @@ ops = st.lists(
     fail_batches=st.sets(st.integers(0, 6), max_size=3),
     bad_keys=st.sets(st.integers(0, 5), max_size=2),
     mode=st.sampled_from(["thread", "inline", "async"]),
+    use_enqueue=st.booleans(),
 )
 def test_every_awaiter_resolves_exactly_once_and_correctly(
-    script, max_batch_size, flush, fail_batches, bad_keys, mode
+    script, max_batch_size, flush, fail_batches, bad_keys, mode, use_enqueue
 ):
     rec = Recorder(fail_batches=fail_batches, bad_keys=bad_keys)
     evaluate, executor = rec, INLINE if mode == "inline" else None
@@ -334,6 +357,8 @@ def test_every_awaiter_resolves_exactly_once_and_correctly(
     async def one(key, delay):
         for _ in range(delay):
             await asyncio.sleep(0)
+        if use_enqueue:  # the future awaited by the caller's own coroutine (cancelled with it)
+            return await batcher.enqueue(key)
         return await batcher.submit(key)
 
     async def main():

@@ -149,8 +149,8 @@ class AsyncLM(Adapters, ABC):
             EngineError: the engine failed on this request's batch.
         """
         request = self._request(token_ids, lora_name)
-        if self.cache is None:  # the hot path of samplers: one coroutine less
-            return await self._logprobs_batcher.submit(request)
+        if self.cache is None:  # the hot path of samplers: no coroutine but this one
+            return await self._logprobs_batcher.enqueue(request)
         return await self._logprobs(request, use_cache=True)
 
     async def batch_next_token_logprobs(

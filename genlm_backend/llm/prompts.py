@@ -17,6 +17,46 @@ from .validation import check_token_ids
 __all__ = ["LogprobsRequest", "PromptChecker"]
 
 
+def _key(ids_hash: int, lora_name: str | None) -> int:
+    return ids_hash if lora_name is None else hash((ids_hash, lora_name))
+
+
+# CPython's tuple hash (xxHash-based, 3.8 on; 64-bit): acc = P5; per item acc = rotl31(acc +
+# hash(item) * P2) * P1; then acc + (len ^ (P5 ^ 3527539)), with -1 mapped to 1546275796.
+# Undoing the last item's round gives the hash of the tuple without it in O(1): the key of a
+# prompt's parent, from the hash of the prompt, without hashing the prefix again. Checked
+# against the built-in hash at import; where it differs, the prefix is hashed instead.
+_MASK = (1 << 64) - 1
+_XXPRIME_1, _XXPRIME_2, _XXPRIME_5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+_XXPRIME_1_INVERSE = pow(_XXPRIME_1, -1, 1 << 64)
+_LEN_MIX = _XXPRIME_5 ^ 3527539
+_MINUS_ONE_STANDIN = 1546275796
+
+
+def _prefix_hash(ids_hash: int, length: int, last: int) -> int | None:
+    """``hash(t[:-1])`` from ``hash(t)``, ``len(t)`` and ``t[-1]`` (an int below 2**61 - 1);
+    None where it cannot be told."""
+    if ids_hash == _MINUS_ONE_STANDIN:
+        return None
+    acc = (((ids_hash - (length ^ _LEN_MIX)) & _MASK) * _XXPRIME_1_INVERSE) & _MASK
+    acc = (((acc >> 31) | (acc << 33)) - last * _XXPRIME_2 + ((length - 1) ^ _LEN_MIX)) & _MASK
+    if acc == _MASK:
+        return _MINUS_ONE_STANDIN
+    return acc - (1 << 64) if acc >> 63 else acc
+
+
+def _prefix_hash_works() -> bool:
+    samples = [(1, 2), (0, 5, 7), tuple(range(1000, 1300)), (2**40, 3, 4), tuple(range(200))[::-1]]
+    try:
+        return all(_prefix_hash(hash(t), len(t), t[-1]) == hash(t[:-1]) for t in samples)
+    except Exception:  # noqa: BLE001 - any surprise: hash prefixes the plain way
+        return False
+
+
+if not _prefix_hash_works():  # pragma: no cover - another Python's tuple hash
+    _prefix_hash = None  # type: ignore[assignment]  # noqa: F811
+
+
 class LogprobsRequest:
     """One distinct request handed to a backend: a prompt and the adapter to use.
 
@@ -35,13 +75,18 @@ class LogprobsRequest:
     __slots__ = ("token_ids", "lora_name", "parent", "kept", "_hash")
 
     def __init__(
-        self, token_ids: tuple[int, ...], lora_name: str | None = None, parent: LogprobsRequest | None = None
+        self,
+        token_ids: tuple[int, ...],
+        lora_name: str | None = None,
+        parent: LogprobsRequest | None = None,
+        key: int | None = None,
     ):
         self.token_ids = token_ids
         self.lora_name = lora_name
         self.parent = parent
         self.kept: Any = None
-        self._hash = hash((token_ids, lora_name))
+        # ``key``: the hash, where the caller computed it already (the checker does).
+        self._hash = _key(hash(token_ids), lora_name) if key is None else key
 
     def __hash__(self) -> int:
         return self._hash
@@ -71,31 +116,83 @@ class PromptChecker:
     int instead of being refused. An equal request made recently is returned again (so what
     a backend keeps for a prompt is found by every caller that sends it).
 
-    Remembers between ``remember`` and ``2 * remember`` of the requests it made last.
+    What "recently" means adapts to the caller: requests are kept in two generations, and a
+    new generation starts when a prompt extends one of the current generation (a sampler's
+    next step began) once it holds ``min_remember`` requests and at least as many as the
+    older one, or when it holds ``remember``. So a lockstep sampler's requests live about two
+    steps: long enough for every particle to find its parent, short enough that they die
+    young (requests held longer are what Python's garbage collector spends its time on).
     """
 
-    def __init__(self, vocab_size: int, max_len: int | None, remember: int = 4096):
+    def __init__(self, vocab_size: int, max_len: int | None, remember: int = 4096, min_remember: int = 64):
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.remember = remember
-        # Two generations: the newer fills up, then replaces the older (no per-entry eviction).
-        self._new: dict[LogprobsRequest, LogprobsRequest] = {}
-        self._old: dict[LogprobsRequest, LogprobsRequest] = {}
+        self.min_remember = min(min_remember, remember)
+        # request hash -> request; a new one of equal hash replaces an older one.
+        self._new: dict[int, LogprobsRequest] = {}
+        self._old: dict[int, LogprobsRequest] = {}
 
     def request(self, token_ids: Any, lora_name: str | None) -> LogprobsRequest:
         """The checked request for ``token_ids`` (see :func:`check_token_ids` for what raises)."""
-        if (type(token_ids) is list or type(token_ids) is tuple) and len(token_ids) > 1:
+        kind = type(token_ids)
+        if (kind is list or kind is tuple) and len(token_ids) > 1:
             last = token_ids[-1]
             if type(last) is int and 0 <= last < self.vocab_size and (self.max_len is None or len(token_ids) <= self.max_len):
-                probe = LogprobsRequest(tuple(token_ids[:-1]), lora_name)
-                parent = self._new.get(probe) or self._old.get(probe)
-                if parent is not None:
-                    parent.parent = None  # planned long ago: no chains of requests kept alive
-                    return self._remember(LogprobsRequest(parent.token_ids + (last,), lora_name, parent))
+                request = self._extension(token_ids, last, lora_name)
+                if request is not None:
+                    return request
         return self._remember(LogprobsRequest(check_token_ids(token_ids, self.vocab_size, self.max_len), lora_name))
 
+    def _extension(self, token_ids: Any, last: int, lora_name: str | None) -> LogprobsRequest | None:
+        """The request of ``token_ids`` built on the remembered request of all but its last
+        id, or None when there is none. (The hot path of samplers: one function, inlined.)"""
+        ids = tuple(token_ids)
+        try:
+            ids_hash = hash(ids)
+        except TypeError:  # an unhashable id: the full check says what is wrong
+            return None
+        n = len(ids)
+        if _prefix_hash is None or ids_hash == _MINUS_ONE_STANDIN:
+            prefix_hash = hash(ids[:-1])
+        else:  # _prefix_hash, inlined
+            acc = (((ids_hash - (n ^ _LEN_MIX)) & _MASK) * _XXPRIME_1_INVERSE) & _MASK
+            acc = (((acc >> 31) | (acc << 33)) - last * _XXPRIME_2 + ((n - 1) ^ _LEN_MIX)) & _MASK
+            prefix_hash = _MINUS_ONE_STANDIN if acc == _MASK else acc - (1 << 64) if acc >> 63 else acc
+        if lora_name is None:
+            key = prefix_hash
+        else:
+            key, ids_hash = hash((prefix_hash, lora_name)), hash((ids_hash, lora_name))
+        new = self._new
+        parent = new.get(key)
+        if parent is None:
+            parent = self._old.get(key)
+        elif len(new) >= self.min_remember and len(new) >= len(self._old):
+            self._old, new = new, {}  # a sampler's next step began
+            self._new = new
+        if parent is None or parent.lora_name != lora_name:
+            return None
+        checked = parent.token_ids + (last,)
+        if checked != ids:  # equal ids, in the parent's checked form (plain ints)
+            return None
+        parent.parent = None  # planned long ago: no chains of requests kept alive
+        known = new.get(ids_hash) or self._old.get(ids_hash)
+        if known is not None and known.token_ids == checked and known.lora_name == lora_name:
+            new[ids_hash] = known
+            return known
+        request = new[ids_hash] = LogprobsRequest(checked, lora_name, parent, key=ids_hash)
+        if len(new) >= self.remember:
+            self._old, self._new = new, {}
+        return request
+
     def _remember(self, request: LogprobsRequest) -> LogprobsRequest:
-        request = self._new.setdefault(request, request)
+        key = request._hash
+        known = self._new.get(key)
+        if known is None:
+            known = self._old.get(key)
+        if known is not None and known == request:
+            request = known
+        self._new[key] = request
         if len(self._new) >= self.remember:
             self._old, self._new = self._new, {}
         return request

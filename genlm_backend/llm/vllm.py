@@ -37,7 +37,7 @@ try:
     from . import vllm_internals
     from .vllm_engine import EngineJob, EngineRunner, RowBatch
     from .vllm_sampling import SamplingMixin
-    from .vllm_sessions import PlanEntry, SessionPool
+    from .vllm_sessions import PlanEntry, Session, SessionPool
 except ImportError as _exc:  # pragma: no cover - exercised only without vllm
     vllm = None
     _IMPORT_ERROR = _exc
@@ -142,10 +142,12 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             detokenize=False, **vllm_internals.NO_DEEP_COPY,
         )
         self._sessions = SessionPool(
-            self._runner.abort, 0, session_idle_batches, park=self._park if self._holds else None
+            self._runner.abort, 0, session_idle_batches, park=self._park if self._holds else None,
+            follow=self._sink.follow if self._holds else None, unfollow=self._sink.unfollow,
         )
         if self._holds:
             self._sink.on_step = self._on_step
+        self._runner.on_retry = self._on_retry
         self.set_sessions(sessions)
         self._runner.on_stall = self._sessions.free_parked
         # vLLM's scheduler bounds what runs in one step; a lockstep step cut into several
@@ -214,63 +216,77 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
                             "which vLLM refuses with speculative decoding")
                 for _ in requests
             ]
-        batch = RowBatch(asyncio.get_running_loop(), len(requests))
+        batch = RowBatch(asyncio.get_running_loop(), len(requests), deferred=self._holds)
         # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
         # runs inside it and decides which sessions continue.
         self._engine_thread.submit_hold_safe(self._start_batch, requests, batch)
         return batch.future
 
     def _start_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
-        """On the engine thread: matches ``requests`` to sessions, then runs them next."""
+        """On the engine thread: matches ``requests`` to sessions, then runs them next.
+
+        Requests that continue held sessions get no job: their rows come from the sessions'
+        next step (see :mod:`.vllm_sessions`)."""
         try:
-            plan = self._sessions.plan(requests)
-            jobs = [self._logprob_job(r, entry, batch, i) for i, (r, entry) in enumerate(zip(requests, plan))]
+            plan = self._sessions.plan(requests, batch)
+            jobs = [None if type(entry) is Session else self._logprob_job(r, entry, batch, i)
+                    for i, (r, entry) in enumerate(zip(requests, plan))]
+            continued = self._sessions.continued(
+                requests, plan, batch, lambda request, i: self._logprob_job(request, None, batch, i)
+            )
         except BaseException as exc:  # noqa: BLE001 - fails this batch only
             batch.fail(exc)
             return
-        self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, batch)
+        self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
 
     def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
+        """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
         sink = self._sink
         lora_request = self._lora_request(request.lora_name)
-        if entry is not None and entry.continues:  # the session's tag and parameters stay
-            session = entry.session
-            tag = session.tag
-            job = EngineJob(entry.tokens, session.params, None, lora_request, session.request_id,
-                            request.token_ids, session.engine_request, True, tag, batch, i)
+        tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
+        params = copy.copy(self._held_params if entry is not None and self._holds else self._plain_params)
+        params.extra_args = sink.extra_args(tag)
+        if entry is None:
+            job = EngineJob(request.token_ids, params, None, lora_request, None, request.token_ids, None, tag,
+                            batch, i)
         else:
-            tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
-            params = copy.copy(self._held_params if entry is not None and self._holds else self._plain_params)
-            params.extra_args = sink.extra_args(tag)
-            session = None if entry is None else entry.session
-            job = EngineJob(
-                request.token_ids if session is None else entry.tokens, params, None, lora_request,
-                None if session is None else session.request_id, request.token_ids,
-                None if session is None else session.engine_request, False, tag, batch, i,
-            )
-        if sink.discarded is not None:
-            sink.expect(tag, job.finish)
-        if entry is not None:
+            session = entry.session
+            job = EngineJob(entry.tokens, params, None, lora_request, session.request_id, request.token_ids,
+                            session.engine_request, tag, batch, i)
             self._sessions.bind(entry, job, tag)
+        if sink.discarded is not None and (entry is None or not self._holds):
+            sink.expect(tag, job.finish)  # held sessions take their rows themselves
         return job
 
-    def _run_batch(self, requests: list[LogprobsRequest], plan: list, jobs: list[EngineJob], batch: RowBatch) -> None:
+    def _run_batch(self, requests: list[LogprobsRequest], plan: list, jobs: list, continued: Any,
+                   batch: RowBatch) -> None:
         try:
-            self._runner.run(jobs, may_hold=True)
+            self._runner.run([job for job in jobs if job is not None], batch, continued)
         except BaseException as exc:  # noqa: BLE001 - fails the requests of this batch left
             batch.fail(exc)
         finally:
-            self._sessions.settle(requests, plan, jobs)
+            batch.wake()
+            self._sessions.settle(requests, plan, jobs, batch.results)
             for job in jobs:
-                if not isinstance(job.result, torch.Tensor):
+                if job is not None and not isinstance(job.result, torch.Tensor):
                     self._sink.discard(job.tag)
+
+    def _on_retry(self, jobs: list[EngineJob]) -> None:
+        """Before jobs run again as plain requests (after an out-of-memory error): their
+        sessions are gone; their rows go to the jobs themselves."""
+        for job in jobs:
+            session = None if job.stream_id is None else self._sessions.get(job.stream_id)
+            if session is not None:
+                self._sessions.close(session)
+            if job.tag is not None and self._sink.discarded is not None:
+                self._sink.expect(job.tag, job.finish)
 
     def _on_step(self, tags: list[int]) -> dict[int, int]:
         """Inside an engine step, after its rows went out: holds the step for the next batch's
         plan while the held sessions wait for it; returns the tokens to force."""
-        if not self._sessions.on_rows(tags):
+        if not self._sessions.holds:
             return {}
-        if self._runner.can_hold():
+        if self._runner.can_hold():  # the batch's rows go to the loop now
             self._sessions.decided = False
             self._engine_thread.hold(lambda: self._sessions.decided, self.session_hold_s)
         return self._sessions.release()

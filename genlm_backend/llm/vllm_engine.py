@@ -40,12 +40,9 @@ class EngineJob:
     # (opened by the first chunk); ``full_prompt`` is the whole context, for a retry as a
     # plain request once the session is gone. ``stream_request`` is the engine request of
     # the session's last chunk (None for the first), replaced by this chunk's once added.
-    # ``continued``: the session is running already (its next token was forced); nothing is
-    # added, the row comes from the capture of the next step.
     stream_id: str | None = None
     full_prompt: tuple[int, ...] | None = None
     stream_request: Any = None
-    continued: bool = False
     tag: int | None = None  # capture tag (log-probability jobs)
     # Early delivery of the result: ``batch.set(index, result)`` (a RowBatch), else
     # ``deliver(result)``.
@@ -58,9 +55,8 @@ class EngineJob:
         """Turns this session chunk into a plain request over the whole context."""
         if self.stream_id is not None and self.full_prompt is not None:
             self.prompt, self.stream_id, self.stream_request = self.full_prompt, None, None
-            self.continued = False
             if self.tag is not None:  # a held session's parameters: a plain request stops at once
-                self.params = copy.copy(self.params)  # continuations share their session's
+                self.params = copy.copy(self.params)
                 self.params.max_tokens, self.params.ignore_eos = 1, False
 
     @property
@@ -123,31 +119,40 @@ class EngineRunner:
         self.stall_timeout_s = 60.0
         # (job, RequestOutput) -> result, for jobs without their own ``convert``.
         self.default_convert: Callable[[EngineJob, Any], Any] = lambda job, output: output
+        # Called with the jobs about to be retried as plain requests after an out-of-memory
+        # error, before they change (their sessions are gone).
+        self.on_retry: Callable[[Sequence[EngineJob]], None] | None = None
         self.in_step = False
         self._deferred_aborts: list[str] = []
-        self._current: Sequence[EngineJob] = ()
-        self._may_hold = False
+        self._batch: RowBatch | None = None
 
-    def run(self, jobs: Sequence[EngineJob], may_hold: bool = False) -> list[Any]:
+    def run(self, jobs: Sequence[EngineJob], batch: RowBatch | None = None, continued: Any = None) -> list[Any]:
         """Runs ``jobs``; returns one result or exception instance per job, in order.
 
-        ``may_hold``: an engine step may wait for the next batch once every job of this
-        call has its result (see :meth:`can_hold`).
+        ``batch``: the log-probability batch the jobs deliver to; an engine step may then
+        wait for the next batch once every request of it has its result (:meth:`can_hold`).
+        ``continued``: the batch's continuations (:class:`~.vllm_sessions.Continued`),
+        requests with no job that the engine's running requests answer: the engine is
+        stepped until they have their rows too.
         """
         start = time.perf_counter()
         self.stats.num_engine_calls += 1
-        self._current, self._may_hold = jobs, may_hold
+        self._batch = batch
         try:
-            self._run_splitting([j for j in jobs if not j.is_done])
+            self._run_splitting([j for j in jobs if not j.is_done], continued)
         finally:
-            self._current, self._may_hold = (), False
+            self._batch = None
             self.stats.engine_s += time.perf_counter() - start
         return [job.result for job in jobs]
 
     def can_hold(self) -> bool:
-        """Inside a step: True when the call being run allows holding and nothing of it is
-        left to compute, so waiting delays no request."""
-        return self._may_hold and all(job.is_done for job in self._current)
+        """Inside a step: True when a batch is being run and every request of it has its
+        result, so waiting delays no request. Hands the results over (:meth:`RowBatch.wake`)."""
+        batch = self._batch
+        if batch is None or batch.left:
+            return False
+        batch.wake()
+        return True
 
     def abort(self, request_ids: list[str]) -> None:
         """Aborts engine requests now, or right after the step being run."""
@@ -161,19 +166,23 @@ class EngineRunner:
             ids, self._deferred_aborts = self._deferred_aborts, []
             vllm_internals.abort_requests(engine, ids)
 
-    def _run_splitting(self, jobs: list[EngineJob]) -> None:
-        if not jobs:
+    def _run_splitting(self, jobs: list[EngineJob], continued: Any = None) -> None:
+        if not jobs and (continued is None or not continued.any_waiting()):
             return
         try:
-            self._run_once(jobs)
+            self._run_once(jobs, continued)
         except BaseException as exc:
             if not vllm_internals.is_cuda_oom(exc):
                 raise
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             pending = [j for j in jobs if not j.is_done]
+            if self.on_retry is not None:
+                self.on_retry(pending)
             for job in pending:  # their sessions were aborted: retry as plain requests
                 job.unstream()
+            if continued is not None:
+                pending += continued.take_jobs()
             if len(pending) <= 1:
                 for job in pending:
                     error = EngineError(f"out of device memory even for a single request: {exc!r}")
@@ -185,7 +194,7 @@ class EngineRunner:
             self._run_splitting(pending[:half])
             self._run_splitting(pending[half:])
 
-    def _run_once(self, jobs: list[EngineJob]) -> None:
+    def _run_once(self, jobs: list[EngineJob], continued: Any = None) -> None:
         if self.before_attempt is not None:
             self.before_attempt(jobs)
         engine = self.llm.llm_engine
@@ -194,9 +203,6 @@ class EngineRunner:
         try:
             self._flush_aborts(engine)
             for job in jobs:
-                if job.continued:
-                    running[job.stream_id] = job
-                    continue
                 request_id = job.stream_id or f"genlm-{next(self._ids)}"
                 try:
                     if job.stream_id is None:
@@ -211,7 +217,7 @@ class EngineRunner:
                 running[request_id] = job
                 uncounted.add(request_id)
             stalled_since = None
-            while running and engine.has_unfinished_requests():
+            while (running or (continued is not None and continued.any_waiting())) and engine.has_unfinished_requests():
                 self.stats.num_steps += 1
                 self.in_step = True
                 try:
@@ -219,6 +225,8 @@ class EngineRunner:
                 finally:
                     self.in_step = False
                     self._flush_aborts(engine)
+                if self._batch is not None:
+                    self._batch.wake()  # the batch is complete: hands it over if not done yet
                 stalled_since = self._check_stall(engine, jobs, outputs, stalled_since)
                 for output in outputs:
                     if output.request_id in uncounted:
@@ -239,9 +247,12 @@ class EngineRunner:
             for job in running.values():
                 job.finish(EngineError("the engine finished without returning this request"))
             running.clear()
+            if continued is not None:
+                continued.fail(lambda: EngineError("the engine finished without returning this request"))
         finally:
-            if running:
-                vllm_internals.abort_requests(engine, list(running))
+            ids = list(running) + (continued.stream_ids() if continued is not None else [])
+            if ids:
+                vllm_internals.abort_requests(engine, ids)
 
     def _check_stall(self, engine: Any, jobs: Sequence[EngineJob], outputs: Any, since: float | None) -> float | None:
         """Waiting requests and none running: parked sessions may hold every slot or block (or
@@ -262,24 +273,41 @@ class EngineRunner:
 
 class RowBatch:
     """The results of one log-probability batch, filled on the engine thread as rows arrive;
-    :attr:`future` (of the event loop) resolves once every request has its result."""
+    :attr:`future` (of the event loop) resolves once every request has its result.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, size: int):
+    With ``deferred``, the last result does not wake the event loop by itself: the engine
+    thread calls :meth:`wake` once it is done with the step's bookkeeping (just before it
+    waits), so the loop's work and the engine thread's do not take turns at the GIL.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int, deferred: bool = False):
         self.loop = loop
         self.future = loop.create_future()
         self.results: list[Any] = [_MISSING] * size
         self.left = size
+        self.deferred = deferred
+        self._woken = False
+
+    def has(self, i: int) -> bool:
+        return self.results[i] is not _MISSING
 
     def set(self, i: int, result: Any) -> None:
         if self.results[i] is not _MISSING:
             return
         self.results[i] = result
         self.left -= 1
-        if self.left == 0:
-            try:
-                self.loop.call_soon_threadsafe(_resolve, self.future, self.results)
-            except RuntimeError:  # the loop was closed: nobody waits any more
-                pass
+        if self.left == 0 and not self.deferred:
+            self.wake()
+
+    def wake(self) -> None:
+        """Hands the results to the event loop, once, if every request has its result."""
+        if self.left or self._woken:
+            return
+        self._woken = True
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.future, self.results)
+        except RuntimeError:  # the loop was closed: nobody waits any more
+            pass
 
     def fail(self, exc: BaseException) -> None:
         """Every request still without a result gets an ``EngineError`` caused by ``exc``."""
@@ -288,6 +316,7 @@ class RowBatch:
                 error = EngineError(f"the engine failed on this request's batch: {exc!r}")
                 error.__cause__ = exc
                 self.set(i, error)
+        self.wake()
 
 
 _MISSING = object()

@@ -108,6 +108,7 @@ class CaptureSink:
         self._tags = itertools.count(1)
         self._rows: dict[int, torch.Tensor | None] = {}
         self._targets: dict[int, Callable[[torch.Tensor], None]] = {}
+        self._followers: dict[int, Callable[[torch.Tensor], None]] = {}
         self._lock = threading.Lock()
         self.discarded: Callable[[int], Any] | None = None  # see discard_mask_reader
         self.on_step: Callable[[list[int]], dict[int, int]] | None = None
@@ -129,6 +130,13 @@ class CaptureSink:
     def expect(self, tag: int, target: Callable[[torch.Tensor], None]) -> None:
         """The next final row of ``tag`` goes to ``target`` (once; then it is forgotten)."""
         self._targets[tag] = target
+
+    def follow(self, tag: int, target: Callable[[torch.Tensor], None]) -> None:
+        """Every final row of ``tag`` goes to ``target`` until :meth:`unfollow`."""
+        self._followers[tag] = target
+
+    def unfollow(self, tag: int) -> None:
+        self._followers.pop(tag, None)
 
     def put(self, tag: int, row: torch.Tensor) -> None:
         with self._lock:
@@ -159,35 +167,48 @@ class CaptureSink:
 
     def close(self) -> None:
         self._targets.clear()
+        self._followers.clear()
         with self._lock:
             self._rows.clear()
         _SINKS.pop(self.token, None)
 
-    def capture(self, logits: torch.Tensor, entries: list[tuple[int, int, list[int]]]) -> list[tuple[int, int]]:
-        """One step of the processor for this sink's rows ``(index, tag, output_ids)``;
-        returns ``(index, token)`` pairs to force."""
-        discarded = self.discarded(logits.shape[0]) if self.discarded is not None else None
-        if discarded is None:  # finality unknown: the last row written before the output wins
-            final = [(i, tag) for i, tag, out in entries if not out]
+    def capture(
+        self, logits: torch.Tensor, rows: dict[int, tuple[str, int, list[int]]], mine_only: bool, staging: _Staging
+    ) -> list[tuple[int, int]]:
+        """One step of the processor: ``rows`` maps a row index to ``(sink token, tag, output
+        ids)`` (only this sink's rows unless ``mine_only``); returns the ``(index, token)``
+        pairs to force, sorted by index."""
+        me = self.token
+        if self.discarded is None:  # finality unknown: the last row written before the output wins
+            final = [(i, tag) for i, (sink, tag, out) in rows.items() if not out and (not mine_only or sink == me)]
         else:
-            final = [(i, tag) for i, tag, _ in entries if not discarded[i]]
-        wanted = [(i, tag) for i, tag in final if tag in self._targets or tag in self._rows]
+            partial = self.discarded(logits.shape[0]).tolist()
+            final = [(i, tag) for i, (sink, tag, _) in rows.items() if not partial[i] and (not mine_only or sink == me)]
+        final.sort()
+        followers, targets, slots = self._followers, self._targets, self._rows
+        wanted = [(i, tag) for i, tag in final if tag in followers or tag in targets or tag in slots]
         if wanted:
             # Outside inference mode: callers get ordinary tensors they may modify in place.
             with torch.inference_mode(False), torch.no_grad():
-                picked = _rows_of(logits, [i for i, _ in wanted])
-                rows = torch.log_softmax(picked.float(), dim=-1).unbind(0)  # views, one call
-            targets = self._targets
-            for (_, tag), row in zip(wanted, rows):
-                target = targets.pop(tag, None) if discarded is not None else None
-                if target is not None:
-                    target(row)
-                else:
+                picked = _rows_of(logits, [i for i, _ in wanted], staging)
+                captured = torch.log_softmax(picked.float(), dim=-1).unbind(0)  # views, one call
+            if self.discarded is None:
+                for (_, tag), row in zip(wanted, captured):
                     self.put(tag, row)
-        if discarded is None or self.on_step is None or not final:
+            else:
+                follower, pop = followers.get, targets.pop
+                for (_, tag), row in zip(wanted, captured):
+                    target = follower(tag) or pop(tag, None)
+                    if target is not None:
+                        target(row)
+                    else:
+                        self.put(tag, row)
+        if self.discarded is None or self.on_step is None or not final:
             return []
         forced = self.on_step([tag for _, tag in final])
-        return [(i, forced[tag]) for i, tag in final if tag in forced]
+        if not forced:
+            return []
+        return [(i, forced_id) for i, tag in final if (forced_id := forced.get(tag)) is not None]
 
 
 class LogprobsCaptureProcessor(LogitsProcessor):
@@ -199,6 +220,7 @@ class LogprobsCaptureProcessor(LogitsProcessor):
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
         # row index -> (sink token, tag, the request's live output token list)
         self.rows: dict[int, tuple[str, int, list[int]]] = {}
+        self._sinks: set[str] | None = set()  # the sink tokens of ``rows`` (None: to count)
         self._staging = _Staging(device, is_pin_memory)
 
     def is_argmax_invariant(self) -> bool:
@@ -208,40 +230,43 @@ class LogprobsCaptureProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
+        rows = self.rows
         for index in batch_update.removed:
-            self.rows.pop(index, None)
+            rows.pop(index, None)
         for index, params, _prompt_ids, output_ids in batch_update.added:
             capture = (getattr(params, "extra_args", None) or {}).get(CAPTURE_KEY)
             if capture is None:
-                self.rows.pop(index, None)
+                rows.pop(index, None)
             else:
-                self.rows[index] = (capture[0], int(capture[1]), output_ids)
+                rows[index] = (capture[0], int(capture[1]), output_ids)
         for a, b, direction in batch_update.moved:
-            entry_a, entry_b = self.rows.pop(a, None), self.rows.pop(b, None)
+            entry_a, entry_b = rows.pop(a, None), rows.pop(b, None)
             if entry_a is not None:
-                self.rows[b] = entry_a
+                rows[b] = entry_a
             if entry_b is not None and direction == MoveDirectionality.SWAP:
-                self.rows[a] = entry_b
+                rows[a] = entry_b
+        self._sinks = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.rows:
+        rows = self.rows
+        if not rows:
             return logits
-        by_sink: dict[str, list[tuple[int, int, list[int]]]] = {}
-        for index, (token, tag, output_ids) in self.rows.items():
-            by_sink.setdefault(token, []).append((index, tag, output_ids))
+        if self._sinks is None:
+            self._sinks = {sink for sink, _, _ in rows.values()}
         forced: list[tuple[int, int]] = []
-        for token, entries in by_sink.items():
+        for token in self._sinks:
             sink = _SINKS.get(token)
             if sink is not None:
-                forced += sink.capture(logits, entries)
+                forced += sink.capture(logits, rows, len(self._sinks) > 1, self._staging)
         if forced:
-            forced.sort()
+            if len(self._sinks) > 1:
+                forced.sort()
             n = len(forced)
-            rows = [i for i, _ in forced]
-            both = self._staging.put(rows + [t for _, t in forced])  # one copy to the device
+            indices = [i for i, _ in forced]
+            both = self._staging.put(indices + [t for _, t in forced])  # one copy to the device
             tokens = both[n:].unsqueeze(1)
-            if rows[-1] - rows[0] + 1 == n:  # contiguous (lockstep: usually all rows)
-                block = logits[rows[0] : rows[-1] + 1]
+            if indices[-1] - indices[0] + 1 == n:  # contiguous (lockstep: usually all rows)
+                block = logits[indices[0] : indices[-1] + 1]
                 block.fill_(float("-inf"))
                 block.scatter_(1, tokens, 0.0)
             else:
@@ -252,49 +277,43 @@ class LogprobsCaptureProcessor(LogitsProcessor):
 
 
 class _Staging:
-    """Small int64 lists to the device through one reused pinned buffer: no allocation, and
-    the copy does not wait for the work queued before it (a copy from pageable memory would
-    wait for the forward pass). One list at a time: a new one waits for the last copy."""
+    """Small int64 lists to the device through reused pinned buffers: no allocation, and the
+    copy does not wait for the work queued before it (a copy from pageable memory would wait
+    for the forward pass). Two buffers in turn (a step puts at most two lists); a buffer is
+    reused once its last copy is done."""
 
     def __init__(self, device: torch.device, pin_memory: bool):
         self.device = device
         self.pinned = device.type == "cuda" and pin_memory
-        self.host: torch.Tensor | None = None
-        self.dev: torch.Tensor | None = None
-        self.copied: Any = None  # a CUDA event: the last copy out of ``host`` is done
+        self.slots: list[list[Any]] = [[None, None, None], [None, None, None]]  # host, device, event
+        self.turn = 0
 
     def put(self, values: list[int]) -> torch.Tensor:
         if not self.pinned:
             return torch.tensor(values, dtype=torch.int64).to(self.device)
+        slot = self.slots[self.turn]
+        self.turn ^= 1
+        host, dev, copied = slot
         n = len(values)
-        if self.host is None or self.host.shape[0] < n:
-            size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 512)
-            self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
-            self.copied = torch.cuda.Event()
+        if host is None or host.shape[0] < n:
+            size = max(n, 2 * (0 if host is None else host.shape[0]), 512)
+            host = slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            dev = slot[1] = torch.empty(size, dtype=torch.int64, device=self.device)
+            copied = slot[2] = torch.cuda.Event()
         else:
-            self.copied.synchronize()  # the host buffer is free again
-        self.host.numpy()[:n] = values
-        out = self.dev[:n]
-        out.copy_(self.host[:n], non_blocking=True)
-        self.copied.record()
+            copied.synchronize()  # the host buffer is free again
+        host.numpy()[:n] = values
+        out = dev[:n]
+        out.copy_(host[:n], non_blocking=True)
+        copied.record()
         return out
 
 
-def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``: a view when the rows are contiguous (no index tensor to copy over)."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return logits[rows[0] : rows[0] + len(rows)]
-    return logits.index_select(0, _on_device(rows, logits.device))
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor on ``device``; to a GPU through pinned memory, without waiting for the
-    work queued before it (a plain copy from pageable memory would wait for the forward pass)."""
-    tensor = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+def _rows_of(logits: torch.Tensor, rows: list[int], staging: _Staging) -> torch.Tensor:
+    """``logits[rows]`` (``rows`` sorted): a view when they are contiguous."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return logits[rows[0] : rows[-1] + 1]
+    return logits.index_select(0, staging.put(rows))
 
 
 def discard_mask_reader(engine: Any) -> Callable[[int], Any] | None:

@@ -12,7 +12,9 @@ row it produced last. It is in one of three states:
   plan. A request that extends its context by one token *continues* it: that token is
   forced as the session's next token (the capture processor sets every other logit to
   -inf), so the next step computes the new row as a plain decode step, without re-adding
-  the request. Sessions the plan does not continue are parked;
+  the request. A continuation has no engine job of its own: the session hands its next row
+  to the request's slot of the batch (:meth:`SessionPool.deliver`). Sessions the plan does
+  not continue are parked;
 * ``parked``: stopped with its KV cache (:func:`~genlm_backend.llm.vllm_internals.park`, or
   a one-token chunk when holding is off); a request that extends it appends a chunk, which
   re-adds the request to the engine's batch once.
@@ -28,12 +30,13 @@ room run as plain one-shot requests.
 Bounds: at most ``capacity`` sessions live (below ``max_num_seqs``: every session holds a
 scheduler slot, and the engine must keep one for everything else); a new session takes the
 place of the least recently used free one; sessions unused for ``idle_batches`` batches are
-closed. A chunk that fails, is refused or is aborted closes its session; only its own caller
-sees the error. Everything here runs on the model's engine thread.
+closed. A chunk or continuation that fails, is refused or is aborted closes its session;
+only its own caller sees the error. Everything here runs on the model's engine thread.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -42,7 +45,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["PlanEntry", "Session", "SessionPool"]
+from .prompts import LogprobsRequest
+
+__all__ = ["Continued", "PlanEntry", "Session", "SessionPool"]
 
 _ids = itertools.count()
 
@@ -55,23 +60,26 @@ class Session:
     request_id: str
     lora_name: str | None
     key: Any = None  # LogprobsRequest
-    state: str = "running"  # "running", "held" or "parked"
+    state: str = "running"  # "running", "held", "parked" or "closed"
     tag: int | None = None  # capture tag of its current chunk (the same for continuations)
-    job: Any = None  # the EngineJob in flight
-    next_key: Any = None  # the request of the job in flight
+    job: Any = None  # the EngineJob of the chunk in flight (None for a continuation)
+    next_key: Any = None  # the request in flight
+    batch: Any = None  # a continuation's RowBatch, and its slot there
+    index: int = 0
+    stamp: int = 0  # the last batch that planned it
     last_used: int = 0
     engine_request: Any = None  # the engine request of the last chunk, template of the next
     params: Any = None  # the SamplingParams of its last chunk (continuations reuse them)
+    deliver: Callable[[torch.Tensor], None] | None = None  # its capture target (holding on)
 
 
 @dataclass(slots=True)
 class PlanEntry:
-    """How one request runs: as a continuation of a held session (``tokens`` is its one new
-    token) or as a chunk appended to a new or parked session (``tokens`` to add)."""
+    """A request that runs as a chunk appended to a new or parked session (``tokens``: the
+    tokens to add)."""
 
     session: Session
     tokens: tuple[int, ...]
-    continues: bool
 
 
 class SessionPool:
@@ -79,9 +87,13 @@ class SessionPool:
 
     Args:
         abort: ``(request_ids) -> None``, aborts engine requests (closes their sessions).
-        park: ``(session) -> None``, stops a held session after the current step.
         capacity: the most live sessions (0: none, every request is a plain request).
         idle_batches: a session unused for this many batches is closed.
+        park: ``(session) -> None``, stops a held session after the current step. Given
+            when the engine holds sessions between steps; rows then reach sessions inside
+            the step that computes them, through the targets registered with ``follow``.
+        follow: ``(tag, target) -> None``, every final row of ``tag`` goes to ``target``.
+        unfollow: ``(tag) -> None``, undoes ``follow``.
     """
 
     def __init__(
@@ -90,15 +102,18 @@ class SessionPool:
         capacity: int,
         idle_batches: int = 8,
         park: Callable[[Session], None] | None = None,
+        follow: Callable[[int, Callable[[torch.Tensor], None]], None] | None = None,
+        unfollow: Callable[[int], None] | None = None,
     ):
         self._abort = abort
         self._park = park
+        self._follow = follow
+        self._unfollow = unfollow
         self.capacity = max(int(capacity), 0)
         self.idle_batches = max(int(idle_batches), 1)
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._by_key: dict[Any, Session] = {}  # the request a session stands for -> session
-        self._by_tag: dict[int, Session] = {}
-        self._held: list[Session] = []
+        self._held: list[Session] = []  # held in the step being run
         self.decisions: dict[int, int] = {}  # tag -> token forced at the end of this step
         self.decided = False  # a plan has dealt with the held sessions
         self._batch = 0
@@ -110,123 +125,158 @@ class SessionPool:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    @property
+    def holds(self) -> bool:
+        """Sessions were held in the step being run (their rows just went out)."""
+        return bool(self._held)
+
     # ---- planning a batch -----------------------------------------------------------------
 
-    def plan(self, requests: Sequence[Any]) -> list[PlanEntry | None]:
-        """Per request (a ``LogprobsRequest``): how it runs through a session, or None for a
-        plain request.
+    def plan(self, requests: Sequence[LogprobsRequest], batch: Any) -> list[Session | PlanEntry | None]:
+        """Per request: the held :class:`Session` it continues (its row goes to ``batch``'s
+        slot for it, from the session's next step), a :class:`PlanEntry` (a chunk to add to
+        a parked or new session) or None (a plain request).
 
         Continuations set :attr:`decisions`; held sessions left out are parked. The sessions
-        returned are running until their row arrives (:meth:`on_rows`) or :meth:`settle`.
+        returned are running until their row arrives (:meth:`deliver`) or :meth:`settle`.
         """
         self._batch += 1
+        stamp = self._batch
         self._close_idle()
-        plan: list[PlanEntry | None] = [None] * len(requests)
-        busy: set[str] = set()
-        if self.capacity > 0:
-            by_key = self._by_key
-            for i, request in enumerate(requests):
+        plan: list[Session | PlanEntry | None] = [None] * len(requests)
+        if self.capacity == 0:
+            self._park_held()
+            return plan
+        by_key, sessions, decisions = self._by_key, self._sessions, self.decisions
+        num_extended = num_continued = 0
+        for i, request in enumerate(requests):
+            parent = request.parent
+            session = None if parent is None else parent.kept
+            if session is None or session.key is not parent:
                 context = request.token_ids
                 if len(context) < 2:
                     continue
-                parent = request.parent
-                session = None if parent is None else parent.kept
-                if session is None or session.key is not parent:
-                    session = by_key.get(type(request)(context[:-1], request.lora_name))
-                if session is not None and session.request_id not in busy:
-                    busy.add(session.request_id)
-                    plan[i] = PlanEntry(session, context[-1:], session.state == "held")
-        self._park_held(exclude=busy)
+                session = by_key.get(LogprobsRequest(context[:-1], request.lora_name))
+                if session is None:
+                    continue
+            if session.stamp == stamp or session.state == "running":
+                continue  # another request of this batch extends it first
+            session.stamp = session.last_used = stamp
+            key, session.key = session.key, None  # it stands for ``request``'s context once its row is in
+            if by_key.pop(key, session) is not session:
+                by_key[key] = session  # (another session stands for that context now)
+            if key.kept is session:
+                key.kept = None
+            num_extended += 1
+            session.next_key = request
+            sessions.move_to_end(session.request_id)
+            if session.state == "held":
+                decisions[session.tag] = request.token_ids[-1]
+                num_continued += 1
+                session.batch, session.index = batch, i
+                plan[i] = session
+            else:
+                plan[i] = PlanEntry(session, request.token_ids[-1:])
+            session.state = "running"
+        self.num_extended += num_extended
+        self.num_continued += num_continued
+        self._park_held()
         for i, request in enumerate(requests):
-            if plan[i] is not None or self.capacity == 0:
+            if plan[i] is not None:
                 continue
-            if len(self._sessions) >= self.capacity:
-                victim = next((s for s in self._sessions.values() if s.request_id not in busy), None)
+            if len(sessions) >= self.capacity:
+                victim = next((s for s in sessions.values() if s.stamp != stamp), None)
                 if victim is None:
                     continue  # no room: a plain request
                 self.close(victim)
-            session = Session(f"genlm-session-{next(_ids)}", request.lora_name)
-            self._sessions[session.request_id] = session
+            session = Session(f"genlm-session-{next(_ids)}", request.lora_name, next_key=request,
+                              stamp=stamp, last_used=stamp)
+            if self._follow is not None:
+                session.deliver = functools.partial(self.deliver, session)
+            sessions[session.request_id] = session
             self.num_opened += 1
-            busy.add(session.request_id)
-            plan[i] = PlanEntry(session, request.token_ids, False)
-        batch, sessions, decisions = self._batch, self._sessions, self.decisions
-        for request, entry in zip(requests, plan):
-            if entry is None:
-                continue
-            session = entry.session
-            if session.key is not None:
-                self._forget_key(session)
-                self.num_extended += 1
-            if entry.continues:
-                decisions[session.tag] = entry.tokens[0]
-                self.num_continued += 1
-            session.next_key = request
-            session.state = "running"
-            session.last_used = batch
-            sessions.move_to_end(session.request_id)
+            plan[i] = PlanEntry(session, request.token_ids)
         return plan
 
     def bind(self, entry: PlanEntry, job: Any, tag: int) -> None:
-        """Records the job (and capture tag) that runs ``entry``'s session."""
+        """Records the job (and its capture tag) that runs ``entry``'s chunk."""
         session = entry.session
         if session.tag != tag:
-            if session.tag is not None:
-                self._by_tag.pop(session.tag, None)
-            self._by_tag[tag] = session
+            if session.tag is not None and self._unfollow is not None:
+                self._unfollow(session.tag)
             session.tag = tag
+            if session.deliver is not None:
+                self._follow(tag, session.deliver)
         session.job = job
-        if not entry.continues:
-            session.params = job.params
+        session.params = job.params
 
     # ---- inside an engine step ------------------------------------------------------------
 
-    def on_rows(self, tags: Sequence[int]) -> list[Session]:
-        """The final rows of ``tags`` were captured this step: sessions whose job got its row
-        now stand for its context and are held; returns them. A session row nobody waited
-        for (its job failed) closes the session."""
-        held = []
-        for tag in tags:
-            session = self._by_tag.get(tag)
-            if session is None or session.state != "running":
-                continue
-            job = session.job
-            if job is None or not isinstance(job.result, torch.Tensor):
+    def deliver(self, session: Session, row: torch.Tensor) -> None:
+        """The final row of ``session``'s chunk or continuation, inside the step that computed
+        it: hands it to its request, and holds the session, which now stands for that
+        request's context. A row nobody waits for any more (its job failed) closes it."""
+        if session.state != "running":
+            return
+        job = session.job
+        if job is not None:  # a chunk
+            session.job = None
+            job.finish(row)
+            if job.result is not row:
                 self.close(session)
-                continue
-            self._stand_for(session, job)
-            session.state = "held"
-            held.append(session)
-        self._held += held
-        return held
+                return
+            if job.stream_request is not None:
+                session.engine_request = job.stream_request
+        else:  # a continuation
+            batch = session.batch
+            if batch is None:
+                self.close(session)
+                return
+            session.batch = None
+            batch.set(session.index, row)
+        self._stand_for(session)
+        session.state = "held"
+        self._held.append(session)
 
     def release(self) -> dict[int, int]:
         """Ends this step's hold: parks the held sessions no plan continued; returns (and
         forgets) the tokens to force."""
-        self._park_held(exclude=set())
+        self._park_held()
         decisions, self.decisions = self.decisions, {}
         self.decided = False
         return decisions
 
-    def _park_held(self, exclude: set[str]) -> None:
+    def _park_held(self) -> None:
         for session in self._held:
-            if session.request_id in exclude or session.state != "held":
+            if session.state != "held":  # continued (running) or closed
                 continue
             if self._park is None:
                 self.close(session)
             else:
                 self._park(session)
                 session.state = "parked"
-        self._held = [s for s in self._held if s.request_id in exclude]
+        self._held = []
         self.decided = True
 
     # ---- after a batch --------------------------------------------------------------------
 
-    def settle(self, requests: Sequence[Any], plan: Sequence[PlanEntry | None], jobs: Sequence[Any]) -> None:
-        """After a batch: sessions whose job failed (or was retried as a plain request) are
-        closed; a chunk whose row came with its output (no holding) parks its session."""
-        for request, entry, job in zip(requests, plan, jobs):
+    def continued(self, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
+                  make_job: Callable[[LogprobsRequest, int], Any]) -> Continued | None:
+        """The continuations of a planned batch, for the runner (None if there are none)."""
+        if not any(type(entry) is Session for entry in plan):
+            return None
+        return Continued(self, requests, plan, batch, make_job)
+
+    def settle(self, requests: Sequence[Any], plan: Sequence[Any], jobs: Sequence[Any], results: Sequence[Any]) -> None:
+        """After a batch: sessions whose request failed (or was retried as a plain request)
+        are closed; a chunk whose row came with its output (no holding) parks its session.
+        ``jobs`` and ``results`` are aligned with ``requests`` (no job for a continuation)."""
+        for request, entry, job, result in zip(requests, plan, jobs, results):
             if entry is None:
+                continue
+            if type(entry) is Session:  # a continuation: its row went to ``results``
+                if not isinstance(result, torch.Tensor) and entry.next_key is request:
+                    self.close(entry)
                 continue
             session = entry.session
             ok = isinstance(job.result, torch.Tensor) and job.stream_id == session.request_id
@@ -235,23 +285,25 @@ class SessionPool:
                     self.close(session)
                 continue
             if session.state == "running" and session.job is job:  # rows came with outputs
-                self._stand_for(session, job)
+                session.job = None
+                if job.stream_request is not None:
+                    session.engine_request = job.stream_request
+                self._stand_for(session)
                 session.state = "parked"
 
-    def _stand_for(self, session: Session, job: Any) -> None:
+    def _stand_for(self, session: Session) -> None:
         key = session.next_key
-        old = self._by_key.get(key)
-        if old is not None and old is not session:
+        old = self._by_key.setdefault(key, session)
+        if old is not session:  # another session stood for this context: one is enough
             self.close(old)
+            self._by_key[key] = session
         session.key, session.next_key = key, None
-        if job.stream_request is not None:
-            session.engine_request = job.stream_request
-        session.job = None
-        self._by_key[key] = session
         key.kept = session
 
     def _forget_key(self, session: Session) -> None:
         key, session.key = session.key, None
+        if key is None:
+            return
         if self._by_key.get(key) is session:
             del self._by_key[key]
         if key.kept is session:
@@ -263,15 +315,18 @@ class SessionPool:
         """Closes one session (aborts its engine request); a closed session is a no-op."""
         if self._sessions.pop(session.request_id, None) is None:
             return
-        if session.key is not None:
-            self._forget_key(session)
-        if session.tag is not None and self._by_tag.get(session.tag) is session:
-            del self._by_tag[session.tag]
-        self.decisions.pop(session.tag, None)
-        session.next_key = None
+        self._forget_key(session)
+        if session.tag is not None:
+            if session.deliver is not None:
+                self._unfollow(session.tag)
+            self.decisions.pop(session.tag, None)
+        session.next_key = session.job = session.batch = None
         session.state = "closed"
         self.num_closed += 1
         self._abort([session.request_id])
+
+    def get(self, request_id: str) -> Session | None:
+        return self._sessions.get(request_id)
 
     def resize(self, capacity: int) -> None:
         """Sets the capacity; closes the least recently used sessions beyond it."""
@@ -293,7 +348,7 @@ class SessionPool:
         """Closes the parked sessions: all but those with a job of ``jobs`` still to run (the
         engine stalled)."""
         in_use = {job.stream_id for job in jobs if job.stream_id and not job.is_done}
-        return self.close_where(lambda s: s.request_id not in in_use) > 0
+        return self.close_where(lambda s: s.request_id not in in_use and s.state != "running") > 0
 
     def _close_idle(self) -> None:
         horizon = self._batch - self.idle_batches
@@ -311,3 +366,46 @@ class SessionPool:
             "num_continued": self.num_continued,
             "num_closed": self.num_closed,
         }
+
+
+class Continued:
+    """The continuations of one batch, as the runner sees them: no engine request of their
+    own (their rows come from their sessions' next step), until a failure turns the ones
+    still waiting into plain requests (:meth:`take_jobs`)."""
+
+    def __init__(self, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
+                 make_job: Callable[[LogprobsRequest, int], Any]):
+        self._pool, self._requests, self._plan, self._batch = pool, requests, plan, batch
+        self._make_job = make_job
+        self._taken = False
+
+    def _waiting(self) -> list[tuple[int, Session]]:
+        if self._taken or self._batch.left == 0:
+            return []
+        return [(i, s) for i, s in enumerate(self._plan)
+                if type(s) is Session and not self._batch.has(i) and s.batch is self._batch]
+
+    def any_waiting(self) -> bool:
+        """Some continuation may still wait for its row: the batch is not complete (the
+        runner asks while the batch's own jobs are done or not yet added)."""
+        return not self._taken and self._batch.left > 0
+
+    def stream_ids(self) -> list[str]:
+        """The engine requests of the sessions whose row is still awaited (to abort)."""
+        return [s.request_id for _, s in self._waiting()]
+
+    def fail(self, make_error: Callable[[], BaseException]) -> None:
+        """Closes the sessions still owing a row; their requests get ``make_error()``."""
+        waiting = self._waiting()
+        self._taken = True
+        for i, session in waiting:
+            self._pool.close(session)
+            self._batch.set(i, make_error())
+
+    def take_jobs(self) -> list[Any]:
+        """Closes the sessions still owing a row and returns plain jobs for their requests."""
+        waiting = self._waiting()
+        self._taken = True
+        for _, session in waiting:
+            self._pool.close(session)
+        return [self._make_job(self._requests[i], i) for i, _ in waiting]

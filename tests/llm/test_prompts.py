@@ -75,7 +75,7 @@ def test_requests_do_not_keep_their_ancestors_alive():
         last = checker.request(context, None)
     # A link to the parent only: neither the checker nor the chain holds the first request.
     assert last.parent is not None and last.parent.parent is None
-    assert not any(r is first for gen in (checker._new, checker._old) for r in gen)
+    assert not any(r is first for gen in (checker._new, checker._old) for r in gen.values())
 
 
 def test_requests_are_equal_by_prompt_and_adapter():
@@ -83,3 +83,59 @@ def test_requests_are_equal_by_prompt_and_adapter():
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != LogprobsRequest((1, 2), "x") and a != LogprobsRequest((1, 3), None)
     assert tuple(a) == ((1, 2), None)
+
+
+def test_the_prefix_hash_is_the_hash_of_the_prompt_without_its_last_id():
+    import random
+
+    from genlm_backend.llm import prompts
+
+    assert prompts._prefix_hash is not None  # CPython's tuple hash: the O(1) route is on
+    rng = random.Random(0)
+    for _ in range(2000):
+        ids = tuple(rng.randrange(200_000) for _ in range(rng.randrange(2, 400)))
+        assert prompts._prefix_hash(hash(ids), len(ids), ids[-1]) == hash(ids[:-1])
+
+
+@pytest.mark.parametrize("o1_prefix_hash", [True, False], ids=["prefix-hash", "hash-the-prefix"])
+def test_lockstep_particles_find_their_parents_and_requests_die_young(monkeypatch, o1_prefix_hash):
+    import random
+
+    from genlm_backend.llm import prompts
+
+    if not o1_prefix_hash:
+        monkeypatch.setattr(prompts, "_prefix_hash", None)
+    checker = PromptChecker(V, max_len=None)
+    rng = random.Random(1)
+    contexts = [[rng.randrange(V) for _ in range(20)] for _ in range(300)]
+    previous = [checker.request(c, None) for c in contexts]
+    for step in range(12):
+        for i, context in enumerate(contexts):
+            context.append(rng.randrange(V))
+            request = checker.request(context, None)
+            assert request.parent is previous[i] and request.token_ids == tuple(context)
+            previous[i] = request
+        # About two steps' requests are remembered, not thousands.
+        assert len(checker._new) + len(checker._old) <= 3 * len(contexts)
+
+
+def test_a_lone_context_extended_token_by_token_stays_linked():
+    checker = PromptChecker(V, max_len=None)
+    context = [1, 2, 3]
+    request = checker.request(context, None)
+    for token in range(500):
+        context.append(token % V)
+        nxt = checker.request(context, None)
+        assert nxt.parent is request
+        request = nxt
+    assert len(checker._new) + len(checker._old) <= 2 * checker.min_remember + 2
+    # Another adapter's prompts are other prompts: never linked across adapters.
+    assert checker.request(context + [7], "adapter").parent is None
+    assert checker.request(context + [7, 8], "adapter").parent is not None
+
+
+def test_memory_is_bounded_when_nothing_extends():
+    checker = PromptChecker(V, max_len=None, remember=50)
+    for i in range(1000):
+        checker.request([i % V, (i // V) % V, 7], None)
+    assert len(checker._new) + len(checker._old) <= 100

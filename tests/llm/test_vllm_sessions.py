@@ -262,3 +262,67 @@ async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_re
             assert_matches(row, hf_reference("base", context))
     finally:
         vlm.session_hold_s = 1.0
+
+
+async def test_out_of_memory_in_a_step_of_continued_sessions_retries_them_as_plain_requests(
+    vlm, hf_reference, monkeypatch
+):
+    # Continuations have no engine request of their own; when the step that should answer
+    # them runs out of device memory, their sessions close and they run again as plain
+    # requests (in halves), each caller still getting the row of its own context.
+    import torch
+
+    contexts = contexts_of([5, 7, 9, 11], seed=45)
+    final, _ = await lockstep(vlm, contexts, 2)  # every session is held after this
+    engine = vlm.underlying_model.llm_engine
+    original, calls = engine.step, []
+
+    def out_of_memory_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original()
+
+    monkeypatch.setattr(engine, "step", out_of_memory_once)
+    splits, closed = vlm.stats()["engine"]["num_oom_splits"], sessions(vlm)["num_closed"]
+    nxt = [c + [21 + i] for i, c in enumerate(final)]
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
+    for context, row in zip(nxt, rows):
+        assert_matches(row, hf_reference("base", context))
+    assert vlm.stats()["engine"]["num_oom_splits"] > splits
+    assert sessions(vlm)["num_closed"] - closed == 4
+    monkeypatch.undo()
+    after = [c + [3] for c in nxt]  # new sessions open and work
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in after))
+    for context, row in zip(after, rows):
+        assert_matches(row, hf_reference("base", context))
+
+
+async def test_a_continued_session_whose_row_never_comes_fails_only_its_caller(vlm, hf_reference):
+    # A held session closed by other work between the plan and its step (here: aborted
+    # from the engine thread after the plan continued it) fails its caller with an
+    # EngineError instead of leaving it hanging; the other continuations get their rows.
+    contexts = contexts_of([5, 8], seed=46)
+    final, _ = await lockstep(vlm, contexts, 2)
+    pool = vlm._sessions
+    original_plan, victims = pool.plan, []
+
+    def plan_then_abort(requests, batch):
+        plan = original_plan(requests, batch)
+        victim = plan[0]
+        victims.append(victim)
+        vlm._runner.abort([victim.request_id])  # gone from the engine; the pool still counts on it
+        return plan
+
+    pool.plan = plan_then_abort
+    try:
+        nxt = [c + [31] for c in final]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True), timeout=120
+        )
+    finally:
+        del pool.plan
+    assert isinstance(results[0], EngineError)
+    assert_matches(results[1], hf_reference("base", nxt[1]))
+    assert victims and victims[0].state == "closed"
+    assert_matches(await vlm.next_token_logprobs(nxt[0]), hf_reference("base", nxt[0]))

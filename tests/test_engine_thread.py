@@ -1,0 +1,94 @@
+"""The engine thread: calls run in order on one thread; a hold runs hold-safe calls inline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from genlm_backend._engine_thread import EngineThread
+
+
+@pytest.fixture
+def engine_thread():
+    thread = EngineThread("genlm-test-engine")
+    yield thread
+    thread.shutdown(wait=True)
+
+
+def test_calls_run_in_submission_order_on_one_thread(engine_thread):
+    seen = []
+    futures = [engine_thread.submit(lambda i=i: seen.append((i, threading.current_thread().name))) for i in range(200)]
+    for future in futures:
+        future.result(timeout=10)
+    assert [i for i, _ in seen] == list(range(200))
+    assert {name for _, name in seen} == {"genlm-test-engine"}
+
+
+def test_submit_next_jumps_the_queue_and_errors_reach_the_caller(engine_thread):
+    gate, order = threading.Event(), []
+    engine_thread.submit(gate.wait, 10)
+    later = engine_thread.submit(order.append, "later")
+    first = engine_thread.submit_next(order.append, "first")
+    failing = engine_thread.submit(lambda: 1 / 0)
+    gate.set()
+    later.result(timeout=10), first.result(timeout=10)
+    assert order == ["first", "later"]
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=10)
+
+
+def test_a_hold_runs_hold_safe_calls_inline_until_done(engine_thread):
+    decided, log = [], []
+
+    def step():  # stands for an engine step that waits for the next batch's plan
+        held = engine_thread.hold(lambda: bool(decided), timeout=10)
+        log.append(("hold ended", held))
+
+    engine_thread.submit(step)
+    time.sleep(0.05)
+    engine_thread.submit_hold_safe(lambda: log.append("not yet")).result(timeout=10)
+    engine_thread.submit_hold_safe(lambda: (log.append("plan"), decided.append(1))).result(timeout=10)
+    engine_thread.submit(lambda: None).result(timeout=10)
+    assert log == ["not yet", "plan", ("hold ended", True)]
+
+
+def test_other_work_or_the_timeout_ends_a_hold(engine_thread):
+    results = []
+    engine_thread.submit(lambda: results.append(engine_thread.hold(lambda: False, timeout=10)))
+    time.sleep(0.05)
+    start = time.monotonic()
+    engine_thread.submit(lambda: results.append("other work")).result(timeout=10)
+    assert results == [False, "other work"] and time.monotonic() - start < 5
+    start = time.monotonic()
+    engine_thread.submit(lambda: results.append(engine_thread.hold(lambda: False, timeout=0.1))).result(timeout=10)
+    assert results[-1] is False and 0.09 < time.monotonic() - start < 5
+
+
+def test_hold_is_refused_off_the_engine_thread(engine_thread):
+    with pytest.raises(RuntimeError, match="engine thread only"):
+        engine_thread.hold(lambda: True, timeout=1)
+
+
+def test_shutdown_cancels_queued_calls_and_refuses_new_ones():
+    thread = EngineThread()
+    gate = threading.Event()
+    thread.submit(gate.wait, 10)
+    queued = [thread.submit(lambda: None) for _ in range(5)]
+    thread.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    assert all(f.cancelled() for f in queued)
+    with pytest.raises(RuntimeError):
+        thread.submit(lambda: None)
+    thread._thread.join(timeout=10)
+    assert not thread._thread.is_alive()
+
+
+def test_a_hold_ends_at_shutdown():
+    thread = EngineThread()
+    result = thread.submit(thread.hold, lambda: False, 30)
+    time.sleep(0.05)
+    start = time.monotonic()
+    thread.shutdown(wait=True)
+    assert result.result(timeout=5) is False and time.monotonic() - start < 5
