@@ -97,20 +97,24 @@ async def lockstep_smc(lm, prompt: list[int], num_particles: int, num_steps: int
     return await asyncio.gather(*(particle(i) for i in range(num_particles)))
 
 
+def model_for(args: argparse.Namespace) -> tuple[Path, dict]:
+    """The model folder (built if missing) and engine options of a W1 configuration."""
+    if args.gpu:
+        model_dir = build_model(Path(args.model_dir or "/tmp/w1_llama_1b"), args.tokenizer_dir, GPU_CONFIG,
+                                torch.bfloat16)
+        return model_dir, {"gpu_memory_utilization": 0.6, "max_model_len": 2048}
+    arch = MICRO_CONFIG if args.micro else TINY_CONFIG
+    default_dir = "/tmp/w1_micro_llama" if args.micro else "/tmp/w1_tiny_llama"
+    model_dir = build_model(Path(args.model_dir or default_dir), args.tokenizer_dir, arch, torch.float32)
+    return model_dir, {"max_model_len": 512, "dtype": "float32", **({"block_size": args.block_size} if args.block_size else {})}
+
+
 def run(args: argparse.Namespace) -> dict:
     from vllm import SamplingParams, TokensPrompt
 
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
-    if args.gpu:
-        model_dir = build_model(Path(args.model_dir or "/tmp/w1_llama_1b"), args.tokenizer_dir, GPU_CONFIG,
-                                torch.bfloat16)
-        engine_opts = {"gpu_memory_utilization": 0.6, "max_model_len": 2048}
-    else:
-        arch = MICRO_CONFIG if args.micro else TINY_CONFIG
-        default_dir = "/tmp/w1_micro_llama" if args.micro else "/tmp/w1_tiny_llama"
-        model_dir = build_model(Path(args.model_dir or default_dir), args.tokenizer_dir, arch, torch.float32)
-        engine_opts = {"max_model_len": 512, "dtype": "float32", **({"block_size": args.block_size} if args.block_size else {})}
+    model_dir, engine_opts = model_for(args)
     engine_opts["seed"] = args.seed
     for item in args.engine_opt:
         key, _, value = item.partition("=")

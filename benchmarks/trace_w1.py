@@ -108,18 +108,11 @@ def main() -> None:
     sampler = "batched" if args.gpu else "predraw"  # a block's rows drawn at once, as on a GPU
     from vllm import SamplingParams, TokensPrompt
 
-    from benchmarks.bench_w1_vllm import GPU_CONFIG, MICRO_CONFIG, TINY_CONFIG, build_model
+    from benchmarks.bench_w1_vllm import model_for
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
-    import torch
 
-    if args.gpu:
-        model_dir = build_model(Path(args.model_dir or "/tmp/w1_llama_1b"), args.tokenizer_dir, GPU_CONFIG, torch.bfloat16)
-        opts = {"gpu_memory_utilization": 0.6, "max_model_len": 2048}
-    else:
-        arch, default_dir = (MICRO_CONFIG, "/tmp/w1_micro_llama") if args.micro else (TINY_CONFIG, "/tmp/w1_tiny_llama")
-        model_dir = build_model(Path(args.model_dir or default_dir), args.tokenizer_dir, arch, torch.float32)
-        opts = {"max_model_len": 512, "dtype": "float32"}
+    model_dir, opts = model_for(args)
     install()  # before the model: its batchers keep the methods they are given
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts={**opts, "seed": 0}, batch_size=max(args.particles))
     install_engine(lm.underlying_model.llm_engine)

@@ -54,7 +54,7 @@ def _prefix_hash_works() -> bool:
 
 
 if not _prefix_hash_works():  # pragma: no cover - another Python's tuple hash
-    _prefix_hash = None  # type: ignore[assignment]  # noqa: F811
+    _prefix_hash = None  # type: ignore[assignment]
 
 
 class LogprobsRequest:

@@ -263,7 +263,11 @@ class LogprobsCaptureProcessor(LogitsProcessor):
                 forced.sort()
             n = len(forced)
             indices = [i for i, _ in forced]
-            both = self._staging.put(indices + [t for _, t in forced])  # one copy to the device
+            # One plain copy to the device. Tokens are forced only after a hold, when the step's
+            # forward pass is done and the device idle: on the H100 host this measured ~100 us
+            # a step against ~140 us through the pinned buffers (whose event checks cost more
+            # than the wait they avoid here).
+            both = torch.tensor(indices + [t for _, t in forced], dtype=torch.int64).to(logits.device)
             tokens = both[n:].unsqueeze(1)
             if indices[-1] - indices[0] + 1 == n:  # contiguous (lockstep: usually all rows)
                 block = logits[indices[0] : indices[-1] + 1]
@@ -279,8 +283,9 @@ class LogprobsCaptureProcessor(LogitsProcessor):
 class _Staging:
     """Small int64 lists to the device through reused pinned buffers: no allocation, and the
     copy does not wait for the work queued before it (a copy from pageable memory would wait
-    for the forward pass). Two buffers in turn (a step puts at most two lists); a buffer is
-    reused once its last copy is done."""
+    for the forward pass). Two buffers in turn; a buffer is reused once its last copy is done.
+    (For the row indices of a capture, which runs while the forward pass may still be on the
+    device.)"""
 
     def __init__(self, device: torch.device, pin_memory: bool):
         self.device = device

@@ -219,7 +219,14 @@ class SessionPool:
         if session.state != "running":
             return
         job = session.job
-        if job is not None:  # a chunk
+        if job is None:  # a continuation (the hot path of lockstep sampling)
+            batch = session.batch
+            if batch is None:
+                self.close(session)
+                return
+            session.batch = None
+            batch.set(session.index, row)
+        else:  # a chunk
             session.job = None
             job.finish(row)
             if job.result is not row:
@@ -227,14 +234,13 @@ class SessionPool:
                 return
             if job.stream_request is not None:
                 session.engine_request = job.stream_request
-        else:  # a continuation
-            batch = session.batch
-            if batch is None:
-                self.close(session)
-                return
-            session.batch = None
-            batch.set(session.index, row)
-        self._stand_for(session)
+        key = session.next_key  # _stand_for, inlined
+        old = self._by_key.setdefault(key, session)
+        if old is not session:
+            self._stand_for(session)
+        else:
+            session.key, session.next_key = key, None
+            key.kept = session
         session.state = "held"
         self._held.append(session)
 
