@@ -146,44 +146,29 @@ class PromptChecker:
 
     def _extension(self, token_ids: Any, last: int, lora_name: str | None) -> LogprobsRequest | None:
         """The request of ``token_ids`` built on the remembered request of all but its last
-        id, or None when there is none. (The hot path of samplers: one function, inlined.)"""
+        id, or None when there is none."""
         ids = tuple(token_ids)
         try:
             ids_hash = hash(ids)
         except TypeError:  # an unhashable id: the full check says what is wrong
             return None
-        n = len(ids)
-        if _prefix_hash is None or ids_hash == _MINUS_ONE_STANDIN:
+        prefix_hash = None if _prefix_hash is None else _prefix_hash(ids_hash, len(ids), last)
+        if prefix_hash is None:
             prefix_hash = hash(ids[:-1])
-        else:  # _prefix_hash, inlined
-            acc = (((ids_hash - (n ^ _LEN_MIX)) & _MASK) * _XXPRIME_1_INVERSE) & _MASK
-            acc = (((acc >> 31) | (acc << 33)) - last * _XXPRIME_2 + ((n - 1) ^ _LEN_MIX)) & _MASK
-            prefix_hash = _MINUS_ONE_STANDIN if acc == _MASK else acc - (1 << 64) if acc >> 63 else acc
-        if lora_name is None:
-            key = prefix_hash
-        else:
-            key, ids_hash = hash((prefix_hash, lora_name)), hash((ids_hash, lora_name))
+        key = _key(prefix_hash, lora_name)
         new = self._new
         parent = new.get(key)
         if parent is None:
             parent = self._old.get(key)
         elif len(new) >= self.min_remember and len(new) >= len(self._old):
-            self._old, new = new, {}  # a sampler's next step began
-            self._new = new
+            self._old, self._new = new, {}  # a sampler's next step began
         if parent is None or parent.lora_name != lora_name:
             return None
         checked = parent.token_ids + (last,)
         if checked != ids:  # equal ids, in the parent's checked form (plain ints)
             return None
         parent.parent = None  # planned long ago: no chains of requests kept alive
-        known = new.get(ids_hash) or self._old.get(ids_hash)
-        if known is not None and known.token_ids == checked and known.lora_name == lora_name:
-            new[ids_hash] = known
-            return known
-        request = new[ids_hash] = LogprobsRequest(checked, lora_name, parent, key=ids_hash)
-        if len(new) >= self.remember:
-            self._old, self._new = new, {}
-        return request
+        return self._remember(LogprobsRequest(checked, lora_name, parent, key=_key(ids_hash, lora_name)))
 
     def _remember(self, request: LogprobsRequest) -> LogprobsRequest:
         key = request._hash

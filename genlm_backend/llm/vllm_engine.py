@@ -225,8 +225,6 @@ class EngineRunner:
                 finally:
                     self.in_step = False
                     self._flush_aborts(engine)
-                if self._batch is not None:
-                    self._batch.wake()  # the batch is complete: hands it over if not done yet
                 stalled_since = self._check_stall(engine, jobs, outputs, stalled_since)
                 for output in outputs:
                     if output.request_id in uncounted:

@@ -281,36 +281,34 @@ class LogprobsCaptureProcessor(LogitsProcessor):
 
 
 class _Staging:
-    """Small int64 lists to the device through reused pinned buffers: no allocation, and the
-    copy does not wait for the work queued before it (a copy from pageable memory would wait
-    for the forward pass). Two buffers in turn; a buffer is reused once its last copy is done.
-    (For the row indices of a capture, which runs while the forward pass may still be on the
+    """Small int64 lists to the device through one reused pinned buffer: no allocation, and
+    the copy does not wait for the work queued before it (a copy from pageable memory would
+    wait for the forward pass). One list at a time: a new one waits for the last copy. (For
+    the row indices of a capture, which runs while the forward pass may still be on the
     device.)"""
 
     def __init__(self, device: torch.device, pin_memory: bool):
         self.device = device
         self.pinned = device.type == "cuda" and pin_memory
-        self.slots: list[list[Any]] = [[None, None, None], [None, None, None]]  # host, device, event
-        self.turn = 0
+        self.host: torch.Tensor | None = None
+        self.dev: torch.Tensor | None = None
+        self.copied: Any = None  # a CUDA event: the last copy out of ``host`` is done
 
     def put(self, values: list[int]) -> torch.Tensor:
         if not self.pinned:
             return torch.tensor(values, dtype=torch.int64).to(self.device)
-        slot = self.slots[self.turn]
-        self.turn ^= 1
-        host, dev, copied = slot
         n = len(values)
-        if host is None or host.shape[0] < n:
-            size = max(n, 2 * (0 if host is None else host.shape[0]), 512)
-            host = slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            dev = slot[1] = torch.empty(size, dtype=torch.int64, device=self.device)
-            copied = slot[2] = torch.cuda.Event()
+        if self.host is None or self.host.shape[0] < n:
+            size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 512)
+            self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
+            self.copied = torch.cuda.Event()
         else:
-            copied.synchronize()  # the host buffer is free again
-        host.numpy()[:n] = values
-        out = dev[:n]
-        out.copy_(host[:n], non_blocking=True)
-        copied.record()
+            self.copied.synchronize()  # the host buffer is free again
+        self.host.numpy()[:n] = values
+        out = self.dev[:n]
+        out.copy_(self.host[:n], non_blocking=True)
+        self.copied.record()
         return out
 
 

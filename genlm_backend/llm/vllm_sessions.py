@@ -388,8 +388,7 @@ class Continued:
     def _waiting(self) -> list[tuple[int, Session]]:
         if self._taken or self._batch.left == 0:
             return []
-        return [(i, s) for i, s in enumerate(self._plan)
-                if type(s) is Session and not self._batch.has(i) and s.batch is self._batch]
+        return [(i, s) for i, s in enumerate(self._plan) if type(s) is Session and not self._batch.has(i)]
 
     def any_waiting(self) -> bool:
         """Some continuation may still wait for its row: the batch is not complete (the
@@ -402,16 +401,18 @@ class Continued:
 
     def fail(self, make_error: Callable[[], BaseException]) -> None:
         """Closes the sessions still owing a row; their requests get ``make_error()``."""
-        waiting = self._waiting()
-        self._taken = True
-        for i, session in waiting:
-            self._pool.close(session)
+        for i in self._close_waiting():
             self._batch.set(i, make_error())
 
     def take_jobs(self) -> list[Any]:
         """Closes the sessions still owing a row and returns plain jobs for their requests."""
+        return [self._make_job(self._requests[i], i) for i in self._close_waiting()]
+
+    def _close_waiting(self) -> list[int]:
+        """Closes the sessions still owing a row (from now on the runner owns their
+        requests); returns those requests' indices."""
         waiting = self._waiting()
         self._taken = True
         for _, session in waiting:
             self._pool.close(session)
-        return [self._make_job(self._requests[i], i) for i, _ in waiting]
+        return [i for i, _ in waiting]
