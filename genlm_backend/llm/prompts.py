@@ -5,6 +5,11 @@ A sampler sends, every step, a prompt that extends one it sent the step before b
 request is built on the earlier request's (already checked) token tuple, and it is linked to
 that request (``parent``), so a backend can find what it keeps for the earlier context
 (``kept``: e.g. the engine session standing for it) without hashing a long context again.
+
+The passes over a prompt run in C where the optional extension ``_prompt_kernel`` was built
+(see ``setup.py``): two passes instead of four, so a 160-token prompt's request costs about
+2.3 us instead of 3.3 (this project's CPU, Python 3.11 and 3.12). Without the extension, or
+where it disagrees with the built-in hash at import, the passes run in Python.
 """
 
 from __future__ import annotations
@@ -55,6 +60,25 @@ def _prefix_hash_works() -> bool:
 
 if not _prefix_hash_works():  # pragma: no cover - another Python's tuple hash
     _prefix_hash = None  # type: ignore[assignment]
+
+try:
+    from . import _prompt_kernel as KERNEL
+except ImportError:  # built without a compiler, or not built: the Python passes run instead
+    KERNEL = None
+
+
+def _kernel_works(kernel: Any) -> bool:
+    samples = [[1, 2], (0, 5, 7), list(range(1000, 1300)), [2**40, 3, 4], [4.0, 5, 6], [7]]
+    try:
+        return all(kernel.hashes(t) == (hash(tuple(t)), hash(tuple(t[:-1]))) for t in samples) and (
+            kernel.extend((1, 2), [1, 2, 3]) == (1, 2, 3) and kernel.extend((1, 2), [1, 5, 3]) is None
+        )
+    except Exception:  # noqa: BLE001 - any surprise: the Python passes
+        return False
+
+
+if KERNEL is not None and not _kernel_works(KERNEL):  # pragma: no cover - another Python's tuple hash
+    KERNEL = None
 
 
 class LogprobsRequest:
@@ -147,15 +171,37 @@ class PromptChecker:
     def _extension(self, token_ids: Any, last: int, lora_name: str | None) -> LogprobsRequest | None:
         """The request of ``token_ids`` built on the remembered request of all but its last
         id, or None when there is none."""
-        ids = tuple(token_ids)
+        kernel = KERNEL
         try:
-            ids_hash = hash(ids)
+            if kernel is not None:
+                ids = None
+                ids_hash, prefix_hash = kernel.hashes(token_ids)
+            else:
+                ids = tuple(token_ids)
+                ids_hash = hash(ids)
+                prefix_hash = None if _prefix_hash is None else _prefix_hash(ids_hash, len(ids), last)
+                if prefix_hash is None:
+                    prefix_hash = hash(ids[:-1])
         except TypeError:  # an unhashable id: the full check says what is wrong
             return None
-        prefix_hash = None if _prefix_hash is None else _prefix_hash(ids_hash, len(ids), last)
-        if prefix_hash is None:
-            prefix_hash = hash(ids[:-1])
-        key = _key(prefix_hash, lora_name)
+        parent = self._parent(_key(prefix_hash, lora_name), lora_name)
+        if parent is None:
+            return None
+        # The ids equal to the caller's, in the parent's checked form (plain ints).
+        if ids is None:
+            checked = kernel.extend(parent.token_ids, token_ids)
+            if checked is None or checked[-1] is not last:  # ``last``: the id the caller checked
+                return None
+        else:
+            checked = parent.token_ids + (last,)
+            if checked != ids:
+                return None
+        parent.parent = None  # planned long ago: no chains of requests kept alive
+        return self._remember(LogprobsRequest(checked, lora_name, parent, key=_key(ids_hash, lora_name)))
+
+    def _parent(self, key: int, lora_name: str | None) -> LogprobsRequest | None:
+        """The remembered request of hash ``key`` (under ``lora_name``), or None; starts a
+        new generation when it is of the current one and that one is full enough."""
         new = self._new
         parent = new.get(key)
         if parent is None:
@@ -164,11 +210,7 @@ class PromptChecker:
             self._old, self._new = new, {}  # a sampler's next step began
         if parent is None or parent.lora_name != lora_name:
             return None
-        checked = parent.token_ids + (last,)
-        if checked != ids:  # equal ids, in the parent's checked form (plain ints)
-            return None
-        parent.parent = None  # planned long ago: no chains of requests kept alive
-        return self._remember(LogprobsRequest(checked, lora_name, parent, key=_key(ids_hash, lora_name)))
+        return parent
 
     def _remember(self, request: LogprobsRequest) -> LogprobsRequest:
         key = request._hash

@@ -139,3 +139,169 @@ def test_memory_is_bounded_when_nothing_extends():
     for i in range(1000):
         checker.request([i % V, (i // V) % V, 7], None)
     assert len(checker._new) + len(checker._old) <= 100
+
+
+# ---- the optional C passes (``_prompt_kernel``) against Python's own hash, == and + ----------
+
+def _kernel():
+    from genlm_backend.llm import prompts
+
+    if prompts.KERNEL is None:
+        pytest.skip("the compiled prompt kernel was not built")
+    return prompts.KERNEL
+
+
+def test_prompt_kernel_was_built_where_required():
+    """CI sets ``GENLM_REQUIRE_PROMPT_KERNEL=1``: a silently skipped build fails here."""
+    import os
+
+    from genlm_backend.llm import prompts
+
+    if os.environ.get("GENLM_REQUIRE_PROMPT_KERNEL") == "1":
+        assert prompts.KERNEL is not None, (
+            "genlm_backend.llm._prompt_kernel did not import (or failed its check at import): "
+            "rerun `pip install -e .` and read its log"
+        )
+    else:
+        _kernel()
+
+
+class _Odd:
+    """An id-like object with its own hash and equality (Python code runs for both)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __eq__(self, other):
+        return self.value == getattr(other, "value", other)
+
+
+def test_kernel_hashes_equal_the_builtin_tuple_hash():
+    import random
+
+    kernel = _kernel()
+    rng = random.Random(2)
+    odd_items = [2**61 - 1, 2**61, 2**63, 2**100, -1, -2, -(2**61) + 1, -(2**70), 0, 4.0, 4.5,
+                 np.int64(7), True, "x", None, _Odd(3)]
+    for _ in range(3000):
+        length = rng.randrange(1, 50)
+        items = [rng.randrange(-5, 300_000) for _ in range(length)]
+        if rng.random() < 0.3:
+            items[rng.randrange(length)] = rng.choice(odd_items)
+        for seq in (items, tuple(items)):
+            assert kernel.hashes(seq) == (hash(tuple(items)), hash(tuple(items[:-1])))
+
+
+def test_kernel_hashes_refuses_what_python_refuses():
+    kernel = _kernel()
+    with pytest.raises(TypeError):
+        kernel.hashes([1, [2], 3])  # an unhashable item
+    with pytest.raises(TypeError):
+        kernel.hashes(np.array([1, 2]))  # not a list or a tuple
+    with pytest.raises(ValueError):
+        kernel.hashes([])
+
+
+def test_kernel_extend_equals_the_python_route():
+    import random
+
+    kernel = _kernel()
+    rng = random.Random(3)
+    for _ in range(3000):
+        parent = tuple(rng.randrange(1000) for _ in range(rng.randrange(0, 40)))
+        ids = list(parent) + [rng.randrange(1000)]
+        roll = rng.random()
+        if roll < 0.2 and parent:
+            ids[rng.randrange(len(parent))] += 1  # differs somewhere
+        elif roll < 0.3:
+            ids.append(5)  # too long
+        elif roll < 0.4 and parent:
+            i = rng.randrange(len(parent))
+            ids[i] = rng.choice([float(ids[i]), np.int64(ids[i]), _Odd(ids[i]), ids[i] + 0.5, "x"])
+        expected = parent + (ids[-1],) if len(ids) == len(parent) + 1 and tuple(ids[:-1]) == parent else None
+        for seq in (ids, tuple(ids)):
+            got = kernel.extend(parent, seq)
+            assert got == expected
+            if got is not None:  # the parent's own items, then the caller's last one
+                assert all(a is b for a, b in zip(got, parent)) and got[-1] is ids[-1]
+
+
+def test_kernel_survives_a_list_changed_while_it_is_read():
+    kernel = _kernel()
+
+    class Shrinking:
+        """Empties the list it sits in when compared or hashed."""
+
+        def __init__(self, target):
+            self.target = target
+
+        def __eq__(self, other):
+            self.target.clear()
+            return True
+
+        def __hash__(self):
+            self.target.clear()
+            return 1
+
+    ids = [1, 2, 3, 4]
+    ids[1] = Shrinking(ids)
+    assert kernel.extend((1, 2, 3), ids) is None  # no crash; the prompt is not what it was
+    ids = [1, 2, 3, 4]
+    ids[1] = Shrinking(ids)
+    with pytest.raises(RuntimeError, match="changed size"):
+        kernel.hashes(ids)
+
+
+@pytest.mark.parametrize("route", ["kernel", "python"])
+def test_both_routes_make_the_same_requests(monkeypatch, route):
+    """The lockstep pattern and the lenient and refused cases, through either route."""
+    import random
+
+    from genlm_backend.llm import prompts
+
+    if route == "python":
+        monkeypatch.setattr(prompts, "KERNEL", None)
+    else:
+        _kernel()
+    checker = PromptChecker(V, max_len=None)
+    rng = random.Random(4)
+    contexts = [[rng.randrange(V) for _ in range(30)] for _ in range(50)]
+    previous = [checker.request(c, None) for c in contexts]
+    for _ in range(5):
+        for i, context in enumerate(contexts):
+            context.append(rng.randrange(V))
+            request = checker.request(context, None)
+            assert request.parent is previous[i] and request.token_ids == tuple(context)
+            assert all(type(t) is int for t in request.token_ids)
+            previous[i] = request
+    context = contexts[0]
+    assert checker.request([float(context[0])] + context[1:] + [3], None).token_ids == tuple(context) + (3,)
+    with pytest.raises(InvalidRequestTypeError):
+        checker.request([context[0] + 0.5] + context[1:] + [3], None)
+
+
+def test_the_prompt_check_benchmark_runs_and_reports_what_it_measured(tmp_path):
+    """``benchmarks/bench_prompts.py`` at a tiny size: its table is its recorded runs."""
+    import json
+    import statistics
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _kernel()
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_prompts.py", "--particles", "8", "--context", "20", "--steps", "2",
+         "--runs", "3", "--out-dir", str(tmp_path)],
+        cwd=repo, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    payload = json.loads((tmp_path / "prompt_checks.json").read_text())
+    (row,) = payload["rows"]
+    runs = payload["runs_us"]
+    assert len(runs["kernel"]) == len(runs["python"]) == 3 and min(runs["kernel"] + runs["python"]) > 0
+    assert row["kernel_us"] == statistics.median(runs["kernel"]) and row["python_us"] == statistics.median(runs["python"])
+    assert row["ratio"] == pytest.approx(statistics.median(k / p for k, p in zip(runs["kernel"], runs["python"])))

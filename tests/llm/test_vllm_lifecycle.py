@@ -54,3 +54,36 @@ def test_sync_context_manager_cleans_up(vllm_lm):
     assert lm.is_closed
     with pytest.raises(RuntimeError):
         lm.next_token_logprobs_sync([3, 4])
+
+
+@pytest.mark.slow
+async def test_speculative_decoding_passes_through_and_refuses_logprobs_clearly(vllm_lm, tiny_model_dirs):
+    """``speculative_config`` reaches vLLM (n-gram drafts: no draft model needed). Greedy
+    sampling with drafts gives the tokens the same weights give without them (the shared
+    engine is the reference); full-vocabulary rows need the capture processor, which vLLM
+    refuses alongside drafts, so they fail for their own callers only."""
+    import asyncio
+
+    from genlm_backend.exceptions import EngineError
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    spec = AsyncVirtualLM.from_name(
+        str(tiny_model_dirs["base"]),
+        engine_opts={
+            "dtype": "float32", "max_model_len": 128, "seed": 0, **GPU_ENGINE_OPTS,
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+        },
+    )
+    try:
+        assert spec.underlying_model.llm_engine.vllm_config.speculative_config is not None
+        prompt = [5, 900, 31000, 5, 900, 31000, 5]  # repeats: the n-gram proposer has drafts to offer
+        reference = await vllm_lm.sample(prompt, 12, [], temperature=0.0)
+        assert await spec.sample(prompt, 12, [], temperature=0.0) == reference
+        row, tokens = await asyncio.gather(
+            spec.next_token_logprobs(prompt), spec.sample(prompt, 3, [], temperature=0.0), return_exceptions=True
+        )
+        assert isinstance(row, EngineError) and "speculative decoding" in str(row)
+        assert tokens == reference[:3]
+    finally:
+        spec.cleanup()
