@@ -1,0 +1,87 @@
+"""W1 with the prompt checker's compiled passes on and off, alternating in one process.
+
+A diagnostic beside ``bench_w1_vllm.py`` (same model, engine options and particles): one
+engine, and every round runs ours with the C passes (``kernel``), ours with the Python ones
+(``python``) and the floor, in a rotating order, so that both variants see the same host
+and the same drift. Prints each variant's median against the floor's, with min-max.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/ab_w1.py --gpu --tokenizer-dir DIR --repeats 7
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_w1_vllm import lockstep_smc, model_for, parse_args  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
+from genlm_backend.llm import prompts  # noqa: E402
+
+KERNEL = prompts.KERNEL
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    if KERNEL is None:
+        sys.exit("the compiled prompt kernel is not built: run `pip install --no-deps -e .` first")
+    steps = args.steps or (32 if args.gpu else 8)
+    prompt_len = args.prompt_len or (128 if args.gpu else 32)
+    from vllm import SamplingParams, TokensPrompt
+
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    model_dir, engine_opts = model_for(args)
+    engine_opts["seed"] = args.seed
+    lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max(args.particles))
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(min(1000, lm.vocab_size // 2), lm.vocab_size) for _ in range(prompt_len)]
+    rows = []
+    try:
+        for n in args.particles:
+            def ours(kernel: object) -> None:
+                prompts.KERNEL = kernel
+                try:
+                    asyncio.run(lockstep_smc(lm, prompt, n, steps, args.seed, args.sampler))
+                finally:
+                    prompts.KERNEL = KERNEL
+
+            def floor() -> None:
+                lm.close_sessions()
+                params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
+                lm.underlying_model.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+
+            variants = {"kernel": lambda: ours(KERNEL), "python": lambda: ours(None), "floor": floor}
+            for fn in variants.values():
+                fn()  # warm-up
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            names = list(variants)
+            for r in range(args.repeats):
+                for name in names[r % 3:] + names[: r % 3]:
+                    start = time.perf_counter()
+                    variants[name]()
+                    times[name].append(time.perf_counter() - start)
+            floor_s = statistics.median(times["floor"])
+            row = {"N": n, "T": steps, "floor_s": floor_s, "times_s": times}
+            for name in ("kernel", "python"):
+                row[f"ratio_{name}"] = statistics.median(times[name]) / floor_s
+                row[f"range_{name}"] = [min(times[name]) / floor_s, max(times[name]) / floor_s]
+            rows.append(row)
+            print(f"N={n}: floor {floor_s:.4f} s | " + " | ".join(
+                f"{name} {row[f'ratio_{name}']:.3f} ({row[f'range_{name}'][0]:.2f}-{row[f'range_{name}'][1]:.2f})"
+                for name in ("kernel", "python")), flush=True)
+    finally:
+        lm.cleanup()
+    name = "ab_w1_prompts_gpu" if args.gpu else "ab_w1_prompts_cpu"
+    print("wrote", write_json(name, {"config": json.loads(json.dumps(vars(args), default=str)), "rows": rows},
+                              args.out_dir))
+
+
+if __name__ == "__main__":
+    main()
