@@ -263,13 +263,15 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         try:
             self._runner.run([job for job in jobs if job is not None], batch, continued)
         except BaseException as exc:  # noqa: BLE001 - fails the requests of this batch left
-            batch.fail(exc)
+            batch.fail(exc, wake=False)
         finally:
-            batch.wake()
-            self._sessions.settle(requests, plan, jobs, batch.results)
-            for job in jobs:
-                if job is not None and not isinstance(job.result, torch.Tensor):
-                    self._sink.discard(job.tag)
+            try:  # sessions settled before the callers hear: one told of a failure finds them closed
+                self._sessions.settle(requests, plan, jobs, batch.results)
+                for job in jobs:
+                    if job is not None and not isinstance(job.result, torch.Tensor):
+                        self._sink.discard(job.tag)
+            finally:
+                batch.wake()
 
     def _on_retry(self, jobs: list[EngineJob]) -> None:
         """Before jobs run again as plain requests (after an out-of-memory error): their

@@ -307,14 +307,17 @@ class RowBatch:
         except RuntimeError:  # the loop was closed: nobody waits any more
             pass
 
-    def fail(self, exc: BaseException) -> None:
-        """Every request still without a result gets an ``EngineError`` caused by ``exc``."""
+    def fail(self, exc: BaseException, wake: bool = True) -> None:
+        """Every request still without a result gets an ``EngineError`` caused by ``exc``;
+        ``wake=False`` leaves handing them over to a later :meth:`wake`."""
         for i, result in enumerate(self.results):
             if result is _MISSING:
                 error = EngineError(f"the engine failed on this request's batch: {exc!r}")
                 error.__cause__ = exc
-                self.set(i, error)
-        self.wake()
+                self.results[i] = error
+                self.left -= 1
+        if wake:
+            self.wake()
 
 
 _MISSING = object()

@@ -117,6 +117,46 @@ def test_final_rows_go_to_their_targets_and_forced_tokens_win(rows):
             assert torch.equal(out[i], logits[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("forced", [
+    [(0, 3), (1, 5), (2, 7), (3, 0)],  # every row of the step (lockstep)
+    [(1, 3), (2, 9)],  # a contiguous part
+    [(0, 1), (2, 4), (3, 4)],  # gapped
+    [(3, 6)],  # one row
+], ids=["all", "part", "gapped", "one"])
+def test_forcing_leaves_exactly_the_forced_token_possible(forced, dtype):
+    """Against a row-by-row reference: forced rows are -inf but for a 0 at the token, other
+    rows are untouched."""
+    from genlm_backend.llm.vllm_internals import force_tokens
+
+    logits = torch.randn(4, 10).to(dtype)
+    expected = logits.clone()
+    for i, t in forced:
+        expected[i] = float("-inf")
+        expected[i, t] = 0.0
+    force_tokens(logits, forced)
+    assert torch.equal(logits, expected)
+
+
+def test_rows_of_a_reduced_precision_step_are_the_float32_log_softmax():
+    """bf16 logits (a bf16 model's step): the captured rows are fp32, equal to the log-softmax
+    of the logits cast to fp32; for every row of the step and for some."""
+    from genlm_backend.llm.vllm_internals import CaptureSink, _rows_of, _Staging
+
+    logits = (3 * torch.randn(4, 50)).to(torch.bfloat16)
+    staging = _Staging(torch.device("cpu"), False)
+    assert _rows_of(logits, [0, 1, 2, 3], staging) is logits
+    assert torch.equal(_rows_of(logits, [1, 3], staging), logits[[1, 3]])
+    sink = CaptureSink()
+    tags = [sink.new_tag() for _ in range(4)]
+    rows = {i: (sink.token, tag, []) for i, tag in enumerate(tags)}
+    sink.capture(logits, rows, False, staging)
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for i, tag in enumerate(tags):
+        row = sink.take(tag)
+        assert row.dtype == torch.float32 and torch.equal(row, expected[i])
+
+
 def test_a_missing_row_is_an_error_never_a_wrong_row():
     from genlm_backend.llm.vllm_internals import CaptureSink
 
