@@ -20,11 +20,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from benchmarks.bench_w1_vllm import lockstep_smc, model_for, parse_args  # noqa: E402
-from genlm_backend.llm import vllm_internals  # noqa: E402
-from genlm_backend.llm.vllm_internals import CaptureSink  # noqa: E402
 
-NEW_FORCE, NEW_CAPTURE = vllm_internals.force_tokens, CaptureSink.capture
+from benchmarks.bench_w1_vllm import lockstep_smc, model_for, parse_args  # noqa: E402
+from genlm_backend.llm import vllm_capture  # noqa: E402
+from genlm_backend.llm.vllm_capture import CaptureSink  # noqa: E402
+
+NEW_FORCE, NEW_CAPTURE = vllm_capture.force_tokens, CaptureSink.capture
 T: dict = {}  # timer readings of the step being run, and the lists they go to
 
 
@@ -100,6 +101,7 @@ def main():
     args = parse_args(sys.argv[1:])
     steps, plen = args.steps or 32, args.prompt_len or 128
     from vllm import SamplingParams, TokensPrompt
+
     from genlm_backend.llm.vllm import AsyncVirtualLM
     model_dir, opts = model_for(args)
     opts["seed"] = args.seed
@@ -117,12 +119,12 @@ def main():
     for n in args.particles:
         def ours(which):
             mode["which"] = which
-            vllm_internals.force_tokens = timed(old_force if which == "old" else NEW_FORCE, "force_" + which)
+            vllm_capture.force_tokens = timed(old_force if which == "old" else NEW_FORCE, "force_" + which)
             CaptureSink.capture = old_capture if which == "old" else new_capture
             try:
                 asyncio.run(lockstep_smc(lm, prompt, n, steps, args.seed, args.sampler))
             finally:
-                vllm_internals.force_tokens, CaptureSink.capture = NEW_FORCE, NEW_CAPTURE
+                vllm_capture.force_tokens, CaptureSink.capture = NEW_FORCE, NEW_CAPTURE
         def floor():
             lm.close_sessions()
             params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)

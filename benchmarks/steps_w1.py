@@ -41,15 +41,15 @@ def wrap(owner: object, name: str) -> None:
 
 def install() -> None:
     from genlm_backend import _batch_queue, _engine_thread, batching, sampling
-    from genlm_backend.llm import prompts, vllm, vllm_engine, vllm_internals, vllm_sessions
+    from genlm_backend.llm import prompts, vllm, vllm_capture, vllm_engine, vllm_sessions
 
     for owner, names in (
         (_batch_queue.LoopQueue, ("start", "finish")),
         (batching.Batcher, ("enqueue",)),
         (prompts.PromptChecker, ("request",)),
         (sampling.TokenSampler, ("_predrawn", "_draw_rows")),
-        (vllm_internals.LogprobsCaptureProcessor, ("apply",)),
-        (vllm_internals.CaptureSink, ("capture",)),
+        (vllm_capture.LogprobsCaptureProcessor, ("apply",)),
+        (vllm_capture.CaptureSink, ("capture",)),
         (vllm_sessions.SessionPool, ("plan", "deliver", "release", "settle")),
         (vllm.AsyncVirtualLM, ("_start_batch", "_on_step")),
         (_engine_thread.EngineThread, ("hold",)),

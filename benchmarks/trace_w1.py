@@ -60,10 +60,16 @@ def wrap(owner: object, name: str, before: str | None, after: str | None) -> Non
 def install() -> None:
     from genlm_backend import _batch_queue, sampling
     from genlm_backend._engine_thread import EngineThread
-    from genlm_backend.llm import base, vllm, vllm_engine, vllm_internals, vllm_sessions
+    from genlm_backend.llm import (
+        base,
+        vllm,
+        vllm_capture,
+        vllm_engine,
+        vllm_sessions,
+    )
 
-    wrap(vllm_internals.LogprobsCaptureProcessor, "apply", "apply", "apply_end")
-    wrap(vllm_internals.CaptureSink, "capture", None, "rows_out")
+    wrap(vllm_capture.LogprobsCaptureProcessor, "apply", "apply", "apply_end")
+    wrap(vllm_capture.CaptureSink, "capture", None, "rows_out")
     wrap(vllm_engine, "_resolve", "rows_on_loop", None)
     wrap(sampling.TokenSampler, "_draw_rows", "draw", "draw_end")
     wrap(vllm.AsyncVirtualLM, "_evaluate_logprobs", "batch_in", None)

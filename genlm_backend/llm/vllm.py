@@ -3,7 +3,7 @@
 How a log-probability row is made: every distinct prompt of a batch becomes one engine
 request (or a chunk of a live session, :mod:`.vllm_sessions`) whose
 ``SamplingParams.extra_args`` carry a capture tag. A logits processor installed in the engine
-(:mod:`.vllm_internals`) maps batch rows to tags from vLLM's batch updates and hands the fp32
+(:mod:`.vllm_capture`) maps batch rows to tags from vLLM's batch updates and hands the fp32
 log-softmax of each request's final row to its caller inside the engine step that computed
 it, also when vLLM spreads the batch over several steps (chunked prefill, more prompts than
 ``max_num_seqs``). Sampling requests carry no tag and pay nothing for it.
@@ -34,7 +34,7 @@ try:
     import vllm
     from vllm.lora.request import LoRARequest
 
-    from . import vllm_internals
+    from . import vllm_capture, vllm_internals
     from .vllm_engine import EngineJob, EngineRunner, RowBatch
     from .vllm_sampling import SamplingMixin
     from .vllm_sessions import PlanEntry, Session, SessionPool
@@ -117,7 +117,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         self._model_config = llm.llm_engine.model_config
         self._vocab_size = int(self._model_config.get_vocab_size())
         self._runner = EngineRunner(llm)
-        self._sink = vllm_internals.CaptureSink()
+        self._sink = vllm_capture.CaptureSink()
         # A log-probability job's row, where it is taken when its request finishes.
         self._runner.default_convert = lambda job, output: self._sink.take(job.tag)
         self._can_capture = can_capture
@@ -185,7 +185,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         opts = {**DEFAULT_ENGINE_OPTS, **(engine_opts or {})}
         can_capture = not opts.get("speculative_config")
         if can_capture:
-            opts["logits_processors"] = [*(opts.get("logits_processors") or []), vllm_internals.LogprobsCaptureProcessor]
+            opts["logits_processors"] = [*(opts.get("logits_processors") or []), vllm_capture.LogprobsCaptureProcessor]
         llm = vllm.LLM(model=model_name, **opts)
         return cls(llm, can_capture=can_capture, **kwargs)
 

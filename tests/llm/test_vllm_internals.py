@@ -53,7 +53,7 @@ def test_the_processor_follows_removed_added_and_moved_rows():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from genlm_backend.llm.vllm_internals import CaptureSink, LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm_capture import CaptureSink, LogprobsCaptureProcessor
 
     sink = CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
@@ -88,7 +88,7 @@ def test_final_rows_go_to_their_targets_and_forced_tokens_win(rows):
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from genlm_backend.llm.vllm_internals import CaptureSink, LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm_capture import CaptureSink, LogprobsCaptureProcessor
 
     sink = CaptureSink()
     partial = rows[-1]  # this row is a partial prefill this step
@@ -127,7 +127,7 @@ def test_final_rows_go_to_their_targets_and_forced_tokens_win(rows):
 def test_forcing_leaves_exactly_the_forced_token_possible(forced, dtype):
     """Against a row-by-row reference: forced rows are -inf but for a 0 at the token, other
     rows are untouched."""
-    from genlm_backend.llm.vllm_internals import force_tokens
+    from genlm_backend.llm.vllm_capture import force_tokens
 
     logits = torch.randn(4, 10).to(dtype)
     expected = logits.clone()
@@ -141,7 +141,7 @@ def test_forcing_leaves_exactly_the_forced_token_possible(forced, dtype):
 def test_rows_of_a_reduced_precision_step_are_the_float32_log_softmax():
     """bf16 logits (a bf16 model's step): the captured rows are fp32, equal to the log-softmax
     of the logits cast to fp32; for every row of the step and for some."""
-    from genlm_backend.llm.vllm_internals import CaptureSink, _rows_of, _Staging
+    from genlm_backend.llm.vllm_capture import CaptureSink, _rows_of, _Staging
 
     logits = (3 * torch.randn(4, 50)).to(torch.bfloat16)
     staging = _Staging(torch.device("cpu"), False)
@@ -158,7 +158,7 @@ def test_rows_of_a_reduced_precision_step_are_the_float32_log_softmax():
 
 
 def test_a_missing_row_is_an_error_never_a_wrong_row():
-    from genlm_backend.llm.vllm_internals import CaptureSink
+    from genlm_backend.llm.vllm_capture import CaptureSink
 
     sink = CaptureSink()
     tag = sink.new_tag()
@@ -173,7 +173,7 @@ def test_a_request_with_an_output_token_is_no_longer_captured():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from genlm_backend.llm.vllm_internals import CaptureSink, LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm_capture import CaptureSink, LogprobsCaptureProcessor
 
     sink = CaptureSink()
     tag = sink.new_tag()
