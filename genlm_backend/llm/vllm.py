@@ -35,7 +35,7 @@ try:
     from vllm.lora.request import LoRARequest
 
     from . import vllm_capture, vllm_internals
-    from .vllm_engine import EngineJob, EngineRunner, RowBatch
+    from .vllm_engine import Continued, EngineJob, EngineRunner, RowBatch
     from .vllm_sampling import SamplingMixin
     from .vllm_sessions import PlanEntry, Session, SessionPool
 except ImportError as _exc:  # pragma: no cover - exercised only without vllm
@@ -231,8 +231,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             plan = self._sessions.plan(requests, batch)
             jobs = [None if type(entry) is Session else self._logprob_job(r, entry, batch, i)
                     for i, (r, entry) in enumerate(zip(requests, plan))]
-            continued = self._sessions.continued(
-                requests, plan, batch, lambda request, i: self._logprob_job(request, None, batch, i)
+            continued = Continued.of(
+                self._sessions, requests, plan, batch, lambda request, i: self._logprob_job(request, None, batch, i)
             )
         except BaseException as exc:  # noqa: BLE001 - fails this batch only
             batch.fail(exc)

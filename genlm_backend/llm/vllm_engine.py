@@ -19,8 +19,10 @@ import torch
 
 from ..exceptions import EngineError, InvalidRequestError
 from . import vllm_internals
+from .prompts import LogprobsRequest
+from .vllm_sessions import Session, SessionPool
 
-__all__ = ["EngineJob", "EngineRunner", "RowBatch"]
+__all__ = ["Continued", "EngineJob", "EngineRunner", "RowBatch"]
 
 _PENDING = object()
 
@@ -131,7 +133,7 @@ class EngineRunner:
 
         ``batch``: the log-probability batch the jobs deliver to; an engine step may then
         wait for the next batch once every request of it has its result (:meth:`can_hold`).
-        ``continued``: the batch's continuations (:class:`~.vllm_sessions.Continued`),
+        ``continued``: the batch's continuations (:class:`Continued`),
         requests with no job that the engine's running requests answer: the engine is
         stepped until they have their rows too.
         """
@@ -332,3 +334,55 @@ def _invalid(exc: BaseException) -> InvalidRequestError:
     error = InvalidRequestError(f"vLLM refused the request: {exc}")
     error.__cause__ = exc
     return error
+
+
+class Continued:
+    """The continuations of one batch, as the runner sees them: no engine request of their
+    own (their rows come from their sessions' next step), until a failure turns the ones
+    still waiting into plain requests (:meth:`take_jobs`)."""
+
+    @classmethod
+    def of(cls, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
+           make_job: Callable[[LogprobsRequest, int], Any]) -> Continued | None:
+        """The continuations of a planned batch (None if it has none)."""
+        if not any(type(entry) is Session for entry in plan):
+            return None
+        return cls(pool, requests, plan, batch, make_job)
+
+    def __init__(self, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
+                 make_job: Callable[[LogprobsRequest, int], Any]):
+        self._pool, self._requests, self._plan, self._batch = pool, requests, plan, batch
+        self._make_job = make_job
+        self._taken = False
+
+    def _waiting(self) -> list[tuple[int, Session]]:
+        if self._taken or self._batch.left == 0:
+            return []
+        return [(i, s) for i, s in enumerate(self._plan) if type(s) is Session and not self._batch.has(i)]
+
+    def any_waiting(self) -> bool:
+        """Some continuation may still wait for its row: the batch is not complete (the
+        runner asks while the batch's own jobs are done or not yet added)."""
+        return not self._taken and self._batch.left > 0
+
+    def stream_ids(self) -> list[str]:
+        """The engine requests of the sessions whose row is still awaited (to abort)."""
+        return [s.request_id for _, s in self._waiting()]
+
+    def fail(self, make_error: Callable[[], BaseException]) -> None:
+        """Closes the sessions still owing a row; their requests get ``make_error()``."""
+        for i in self._close_waiting():
+            self._batch.set(i, make_error())
+
+    def take_jobs(self) -> list[Any]:
+        """Closes the sessions still owing a row and returns plain jobs for their requests."""
+        return [self._make_job(self._requests[i], i) for i in self._close_waiting()]
+
+    def _close_waiting(self) -> list[int]:
+        """Closes the sessions still owing a row (from now on the runner owns their
+        requests); returns those requests' indices."""
+        waiting = self._waiting()
+        self._taken = True
+        for _, session in waiting:
+            self._pool.close(session)
+        return [i for i, _ in waiting]

@@ -47,7 +47,7 @@ import torch
 
 from .prompts import LogprobsRequest
 
-__all__ = ["Continued", "PlanEntry", "Session", "SessionPool"]
+__all__ = ["PlanEntry", "Session", "SessionPool"]
 
 _ids = itertools.count()
 
@@ -266,13 +266,6 @@ class SessionPool:
 
     # ---- after a batch --------------------------------------------------------------------
 
-    def continued(self, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
-                  make_job: Callable[[LogprobsRequest, int], Any]) -> Continued | None:
-        """The continuations of a planned batch, for the runner (None if there are none)."""
-        if not any(type(entry) is Session for entry in plan):
-            return None
-        return Continued(self, requests, plan, batch, make_job)
-
     def settle(self, requests: Sequence[Any], plan: Sequence[Any], jobs: Sequence[Any], results: Sequence[Any]) -> None:
         """After a batch: sessions whose request failed (or was retried as a plain request)
         are closed; a chunk whose row came with its output (no holding) parks its session.
@@ -372,47 +365,3 @@ class SessionPool:
             "num_continued": self.num_continued,
             "num_closed": self.num_closed,
         }
-
-
-class Continued:
-    """The continuations of one batch, as the runner sees them: no engine request of their
-    own (their rows come from their sessions' next step), until a failure turns the ones
-    still waiting into plain requests (:meth:`take_jobs`)."""
-
-    def __init__(self, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
-                 make_job: Callable[[LogprobsRequest, int], Any]):
-        self._pool, self._requests, self._plan, self._batch = pool, requests, plan, batch
-        self._make_job = make_job
-        self._taken = False
-
-    def _waiting(self) -> list[tuple[int, Session]]:
-        if self._taken or self._batch.left == 0:
-            return []
-        return [(i, s) for i, s in enumerate(self._plan) if type(s) is Session and not self._batch.has(i)]
-
-    def any_waiting(self) -> bool:
-        """Some continuation may still wait for its row: the batch is not complete (the
-        runner asks while the batch's own jobs are done or not yet added)."""
-        return not self._taken and self._batch.left > 0
-
-    def stream_ids(self) -> list[str]:
-        """The engine requests of the sessions whose row is still awaited (to abort)."""
-        return [s.request_id for _, s in self._waiting()]
-
-    def fail(self, make_error: Callable[[], BaseException]) -> None:
-        """Closes the sessions still owing a row; their requests get ``make_error()``."""
-        for i in self._close_waiting():
-            self._batch.set(i, make_error())
-
-    def take_jobs(self) -> list[Any]:
-        """Closes the sessions still owing a row and returns plain jobs for their requests."""
-        return [self._make_job(self._requests[i], i) for i in self._close_waiting()]
-
-    def _close_waiting(self) -> list[int]:
-        """Closes the sessions still owing a row (from now on the runner owns their
-        requests); returns those requests' indices."""
-        waiting = self._waiting()
-        self._taken = True
-        for _, session in waiting:
-            self._pool.close(session)
-        return [i for i, _ in waiting]
