@@ -12,7 +12,12 @@ Reference: ``bare`` is the least any asyncio design can pay for the same shape, 
 futures per particle-step resolved in batches when the loop is idle, with no validation,
 no batcher and no draw.
 
-    python benchmarks/bench_loop.py [--steps 32] [--context 128] [--repeats 5]
+``--evict-mb M``: the engine thread writes every cache line of an M MiB buffer before it
+answers each batch, as vLLM's own step does to the caches between two turns of the loop (on
+the H100 host the loop's code ran ~4x slower inside W1 than in isolation). ``evict_us`` is
+that write's own cost per particle-step, measured alone: subtract it from the variants'.
+
+    python benchmarks/bench_loop.py [--steps 32] [--context 128] [--repeats 5] [--evict-mb 64]
 """
 
 from __future__ import annotations
@@ -37,10 +42,15 @@ class InstantLM(AsyncLM):
     """Answers every batch at once with stored rows, from its engine thread: views of one
     fresh ``[k, V]`` tensor, as the real backends hand out a batch's rows."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, evict_mb: int = 0):
         super().__init__(None, batch_size=4096)
         self._vocab_size = vocab_size
         self.rows = torch.randn(256, vocab_size).log_softmax(-1)
+        self.evict_lines = torch.zeros(evict_mb * 2**20 // 8, dtype=torch.float64)[::8]  # one a cache line
+
+    def evict(self) -> None:
+        if self.evict_lines.numel():
+            self.evict_lines.add_(1.0)
 
     @property
     def vocab_size(self) -> int:
@@ -53,6 +63,7 @@ class InstantLM(AsyncLM):
         future = loop.create_future()
 
         def evaluate():
+            self.evict()
             block = self.rows[torch.arange(len(requests)) % 256]  # a fresh [k, V] block, as a model's
             loop.call_soon_threadsafe(future.set_result, list(block.unbind(0)))
 
@@ -111,10 +122,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32, help="row length (short: the draws cost next to nothing)")
     parser.add_argument("--samplers", nargs="+", default=["race", "batched", "predraw"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--evict-mb", type=int, default=0, help="MiB the engine writes before each batch")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lm = InstantLM(args.vocab)
+    lm = InstantLM(args.vocab, args.evict_mb)
     prompt = [random.Random(0).randrange(args.vocab) for _ in range(args.context)]
     rows = []
     for n in args.particles:
@@ -128,6 +140,10 @@ def main() -> None:
                 asyncio.run(make())
                 times[name].append(time.perf_counter() - start)
         row = {"N": n, "T": args.steps}
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            lm.evict()
+        row["evict_us"] = (time.perf_counter() - start) * 1e6 / (n * args.steps)
         for name, seconds in times.items():
             summary = summarise(seconds[1:])
             per_step = 1e6 / (n * args.steps)
