@@ -1,15 +1,21 @@
-"""W1 with the prompt checker's compiled passes on and off, alternating in one process.
+"""W1 with one part of ours on and off, alternating in one process.
 
 A diagnostic beside ``bench_w1_vllm.py`` (same model, engine options and particles): one
-engine, and every round runs ours with the C passes (``kernel``), ours with the Python ones
-(``python``) and the floor, in a rotating order, so that both variants see the same host
-and the same drift. Prints each variant's median against the floor's, with min-max.
+engine, and every round runs ours with the part on, ours with it off and the floor, in a
+rotating order, so that both variants see the same host and the same drift. Prints each
+variant's median against the floor's, with min-max. ``--ab`` picks the part:
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/ab_w1.py --gpu --tokenizer-dir DIR --repeats 7
+* ``prompts``: the prompt checker's compiled passes (``kernel``) against the Python ones
+  (``python``);
+* ``sampling``: steps whose every row is forced take the tokens without vLLM's sampler
+  (``skip``) against forcing them through the logits (``logits``).
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/ab_w1.py --ab sampling --gpu --tokenizer-dir DIR --repeats 7
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -28,8 +34,12 @@ KERNEL = prompts.KERNEL
 
 
 def main() -> None:
-    args = parse_args(sys.argv[1:])
-    if KERNEL is None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--ab", choices=("prompts", "sampling"), default="prompts")
+    known, rest = pre.parse_known_args(sys.argv[1:])
+    args = parse_args(rest)
+    args.ab = known.ab
+    if args.ab == "prompts" and KERNEL is None:
         sys.exit("the compiled prompt kernel is not built: run `pip install --no-deps -e .` first")
     steps = args.steps or (32 if args.gpu else 8)
     prompt_len = args.prompt_len or (128 if args.gpu else 32)
@@ -45,19 +55,25 @@ def main() -> None:
     rows = []
     try:
         for n in args.particles:
-            def ours(kernel: object) -> None:
-                prompts.KERNEL = kernel
+            def ours(on: bool) -> None:
+                if args.ab == "prompts":
+                    prompts.KERNEL = KERNEL if on else None
+                else:
+                    lm._forcing.enabled = on
                 try:
                     asyncio.run(lockstep_smc(lm, prompt, n, steps, args.seed, args.sampler))
+                    lm.close_sessions()  # within ours' time, as in bench_w1_vllm.py
                 finally:
                     prompts.KERNEL = KERNEL
+                    if lm._forcing is not None:
+                        lm._forcing.enabled = True
 
             def floor() -> None:
-                lm.close_sessions()
                 params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
                 lm.underlying_model.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
 
-            variants = {"kernel": lambda: ours(KERNEL), "python": lambda: ours(None), "floor": floor}
+            on, off = ("kernel", "python") if args.ab == "prompts" else ("skip", "logits")
+            variants = {on: lambda: ours(True), off: lambda: ours(False), "floor": floor}
             for fn in variants.values():
                 fn()  # warm-up
             times: dict[str, list[float]] = {name: [] for name in variants}
@@ -69,16 +85,16 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
             floor_s = statistics.median(times["floor"])
             row = {"N": n, "T": steps, "floor_s": floor_s, "times_s": times}
-            for name in ("kernel", "python"):
+            for name in (on, off):
                 row[f"ratio_{name}"] = statistics.median(times[name]) / floor_s
                 row[f"range_{name}"] = [min(times[name]) / floor_s, max(times[name]) / floor_s]
             rows.append(row)
             print(f"N={n}: floor {floor_s:.4f} s | " + " | ".join(
                 f"{name} {row[f'ratio_{name}']:.3f} ({row[f'range_{name}'][0]:.2f}-{row[f'range_{name}'][1]:.2f})"
-                for name in ("kernel", "python")), flush=True)
+                for name in (on, off)), flush=True)
     finally:
         lm.cleanup()
-    name = "ab_w1_prompts_gpu" if args.gpu else "ab_w1_prompts_cpu"
+    name = f"ab_w1_{args.ab}_{'gpu' if args.gpu else 'cpu'}"
     print("wrote", write_json(name, {"config": json.loads(json.dumps(vars(args), default=str)), "rows": rows},
                               args.out_dir))
 

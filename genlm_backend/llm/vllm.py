@@ -131,6 +131,11 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             self._sink.discarded is not None
             and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
         )
+        # A step whose every row is a held session continued by the next batch takes the
+        # forced tokens as its sample, without vLLM's sampler (ForcedSampling).
+        self._forcing = (
+            vllm_internals.install_forced_sampling(engine, vllm_capture.ForcedSampling()) if self._holds else None
+        )
         self.session_hold_s = float(session_hold_s)
         # Log-probability requests take one greedy token; a held session runs until parked
         # (and stops by itself at max_model_len).
@@ -374,6 +379,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         ``sample``: the sampling batcher's counters; ``engine``: engine calls and steps,
         ``engine_s`` (seconds inside the engine), ``num_oom_splits``,
         ``prefix_cache_hit_rate`` (cached / total prompt tokens of finished requests),
+        ``num_forced_steps`` (steps whose tokens were all forced, sampled without vLLM's
+        sampler),
         ``peak_device_memory_bytes`` (CUDA only; None on CPU, where
         ``peak_host_rss_bytes`` is given); ``sessions``: live, opened, extended (of which
         continued while held) and closed engine sessions. Engine counters of a batch land
@@ -383,7 +390,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         return {
             **super().stats(),
             "sample": self._sample_batcher.stats.as_dict(),
-            "engine": self._runner.stats.as_dict(),
+            "engine": {**self._runner.stats.as_dict(),
+                       "num_forced_steps": 0 if self._forcing is None else self._forcing.num_skipped},
             "sessions": self._sessions.stats(),
         }
 

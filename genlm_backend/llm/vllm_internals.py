@@ -20,6 +20,11 @@ What is relied on:
   ``update_from_output``, after the processor ran, so :func:`park` can stop a running
   session after this step. Without the mask, rows are taken when their request finishes and
   nothing is held.
+* Skipping the sampler for steps whose every row is forced (:func:`install_forced_sampling`):
+  the model runner's ``sampler`` is a ``Sampler`` whose ``forward`` runs the logits processors
+  and then calls ``self.sample(logits, sampling_metadata)``, and the runner's bookkeeping
+  copies the sampled tokens to the host through ``self._to_list`` (one ``[N, 1]`` tensor a
+  step, async scheduling off). Without them the processor forces tokens in the logits.
 * ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
   shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
 """
@@ -43,6 +48,7 @@ __all__ = [
     "add_request",
     "add_session_chunk",
     "discard_mask_reader",
+    "install_forced_sampling",
     "is_cuda_oom",
     "is_stalled",
     "lora_refusal",
@@ -78,6 +84,27 @@ def discard_mask_reader(engine: Any) -> Callable[[int], Any] | None:
     if mask is None or not hasattr(mask, "np"):
         return None
     return lambda n: mask.np[:n]
+
+
+def install_forced_sampling(engine: Any, forcing: Any) -> Any:
+    """Wraps the in-process model runner's sampler and host copy with ``forcing`` (a
+    :class:`~.vllm_capture.ForcedSampling`: ``wrap_forward``, ``wrap_sample`` and
+    ``wrap_to_list`` take the originals and return their replacements). Returns the
+    ``ForcedSampling`` in effect (an earlier one when this runner has one already), or None
+    where the runner is not in this process or lacks those calls."""
+    runner = _model_runner(engine)
+    sampler = getattr(runner, "sampler", None)
+    if runner is None or not all(callable(getattr(o, n, None)) for o, n in
+                                 ((sampler, "forward"), (sampler, "sample"), (runner, "_to_list"))):
+        return None
+    installed = getattr(runner, "_genlm_forced_sampling", None)
+    if installed is not None:
+        return installed
+    sampler.forward = forcing.wrap_forward(sampler.forward)
+    sampler.sample = forcing.wrap_sample(sampler.sample)
+    runner._to_list = forcing.wrap_to_list(runner._to_list)
+    runner._genlm_forced_sampling = forcing
+    return forcing
 
 
 def _model_runner(engine: Any) -> Any:

@@ -117,6 +117,91 @@ def test_final_rows_go_to_their_targets_and_forced_tokens_win(rows):
             assert torch.equal(out[i], logits[i])
 
 
+class _SamplerShape:
+    """What :class:`ForcedSampling` relies on in vLLM's ``Sampler`` and model runner, in
+    miniature: ``forward`` runs the logits processors, then ``self.sample``; the runner
+    copies ``[N, 1]`` sampled tokens to the host through ``_to_list``."""
+
+    def __init__(self, processor, call_sample=True):
+        self.processor, self.call_sample, self.sampled = processor, call_sample, 0
+
+    def forward(self, logits, metadata):
+        logits = self.processor.apply(logits)
+        if not self.call_sample:  # a vLLM that moved the sampling elsewhere
+            return logits.argmax(-1)
+        return self.sample(logits, metadata)[0].to(torch.int32).unsqueeze(-1)
+
+    def sample(self, logits, metadata):
+        self.sampled += 1
+        return logits.argmax(-1), None
+
+    @staticmethod
+    def to_list(sampled):
+        return sampled.tolist()
+
+
+def _forcing_step(num_rows, forced_rows, call_sample=True, logprobs=None):
+    """A processor whose sink forces token ``7 - i`` in each of ``forced_rows`` (rows
+    ``0..num_rows-1`` all capture), run through a ``_SamplerShape`` wrapped by a
+    ``ForcedSampling``; returns (sampled [N, 1], the host copy, sampler, forcing, logits)."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from genlm_backend.llm.vllm_capture import CaptureSink, ForcedSampling, LogprobsCaptureProcessor
+
+    sink = CaptureSink()
+    sink.discarded = lambda n: np.zeros(n, dtype=bool)
+    tags = [sink.next_tag() for _ in range(num_rows)]
+    sink.on_step = lambda final: {tags[i]: 7 - i for i in forced_rows}
+    proc = LogprobsCaptureProcessor(None, torch.device("cpu"), False)
+    added = [(i, SamplingParams(extra_args=sink.extra_args(tags[i])), [1], []) for i in range(num_rows)]
+    proc.update_state(BatchUpdate(num_rows, removed=[], added=added, moved=[]))
+    sampler, forcing = _SamplerShape(proc, call_sample), ForcedSampling()
+    sampler.forward = forcing.wrap_forward(sampler.forward)
+    sampler.sample = forcing.wrap_sample(sampler.sample)
+    to_list = forcing.wrap_to_list(sampler.to_list)
+    metadata = dataclasses.make_dataclass("Metadata", ["all_greedy", "max_num_logprobs"])(True, logprobs)
+    logits = torch.randn(num_rows, 10)
+    sampled = sampler.forward(logits.clone(), metadata)
+    return sampled, to_list(sampled), sampler, forcing, logits
+
+
+def test_a_step_whose_every_row_is_forced_takes_the_tokens_without_sampling():
+    sampled, host, sampler, forcing, _ = _forcing_step(4, range(4))
+    assert sampled.tolist() == host == [[7], [6], [5], [4]]
+    assert sampler.sampled == 0 and forcing.num_skipped == 1
+
+
+@pytest.mark.parametrize("forced_rows, logprobs", [((1, 3), None), (range(4), 2)], ids=["some rows", "logprobs"])
+def test_other_steps_force_through_the_logits_and_sample(forced_rows, logprobs):
+    sampled, host, sampler, forcing, logits = _forcing_step(4, forced_rows, logprobs=logprobs)
+    expected = [[7 - i] if i in forced_rows else [int(logits[i].argmax())] for i in range(4)]
+    assert sampled.tolist() == host == expected
+    assert sampler.sampled == 1 and forcing.num_skipped == 0
+
+
+def test_forced_tokens_the_sampler_never_takes_fail_the_step_loudly():
+    with pytest.raises(RuntimeError, match="did not take the forced tokens"):
+        _forcing_step(4, range(4), call_sample=False)
+
+
+def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects(vlm):
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    forward = inspect.getsource(Sampler.forward)
+    assert forward.index("apply_logits_processors(") < forward.index("self.sample(")
+    assert list(inspect.signature(Sampler.sample).parameters)[1:3] == ["logits", "sampling_metadata"]
+    assert "self._to_list(sampled_token_ids)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    engine = vlm.underlying_model.llm_engine
+    runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    assert vlm._forcing is not None and runner._genlm_forced_sampling is vlm._forcing
+    from genlm_backend.llm import vllm_internals
+
+    assert vllm_internals.install_forced_sampling(engine, object()) is vlm._forcing  # once per runner
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("forced", [
     [(0, 3), (1, 5), (2, 7), (3, 0)],  # every row of the step (lockstep)

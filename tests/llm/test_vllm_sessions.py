@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from vllm_fixtures import assert_matches, cpu_lora
+from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora
 
 from genlm_backend.exceptions import EngineError, InvalidRequestError
 from genlm_backend.llm.prompts import LogprobsRequest
@@ -65,14 +65,48 @@ async def test_lockstep_steps_continue_held_sessions_without_re_adding_them(vlm,
     # step waits, and forces every particle's token: no chunk is added after the first.
     contexts = contexts_of([4, 11, 23], seed=42)
     before = sessions(vlm)
-    steps = vlm.stats()["engine"]["num_steps"]
+    engine = vlm.stats()["engine"]
     final, rows = await lockstep(vlm, contexts, 5)
     for context, row in zip(final, rows):
         assert_matches(row, hf_reference("base", context))
     after = sessions(vlm)
     assert after["num_opened"] - before["num_opened"] == 3
     assert after["num_continued"] - before["num_continued"] == 12
-    assert vlm.stats()["engine"]["num_steps"] - steps == 5  # one engine step per lockstep step
+    assert vlm.stats()["engine"]["num_steps"] - engine["num_steps"] == 5  # one engine step per lockstep step
+    # Steps 2-5 force every row: their tokens are the sample, without vLLM's sampler.
+    assert vlm.stats()["engine"]["num_forced_steps"] - engine["num_forced_steps"] == 4
+
+
+async def test_a_step_mixing_forced_and_parked_rows_forces_through_the_logits(vlm, hf_reference):
+    # The tokens of a batch's continuations are forced in the step that computed the last
+    # batch's rows. When the next batch continues only some of them, the others are parked
+    # in that step: not every row is forced, so the forced ones go through the logits and
+    # vLLM samples; the parked one drops its sampled token and resumes later by a chunk.
+    a, b, c = contexts_of([7, 12, 9], seed=47)
+    engine = vlm.stats()["engine"]
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(x) for x in (a, b, c)))
+    a, b, c = (x + [int(r.argmax())] for x, r in zip((a, b, c), rows))
+    final, rows = await lockstep(vlm, [a, b], 3)  # the first of these steps parks ``c``
+    for context, row in zip(final, rows):
+        assert_matches(row, hf_reference("base", context))
+    assert_matches(await vlm.next_token_logprobs(c), hf_reference("base", c))
+    assert vlm.stats()["engine"]["num_forced_steps"] - engine["num_forced_steps"] == 2
+
+
+async def test_forced_steps_give_the_rows_of_forcing_through_the_logits(vlm):
+    contexts = contexts_of([5, 8, 13], seed=49)
+    final_on, rows_on = await lockstep(vlm, contexts, 4)
+    vlm.close_sessions()
+    vlm._forcing.enabled = False
+    try:
+        engine = vlm.stats()["engine"]
+        final_off, rows_off = await lockstep(vlm, contexts, 4)
+        assert vlm.stats()["engine"]["num_forced_steps"] == engine["num_forced_steps"]
+    finally:
+        vlm._forcing.enabled = True
+    assert final_on == final_off
+    for a, b in zip(rows_on, rows_off):
+        assert_same_rows(a, b)
 
 
 async def test_a_parked_session_resumes_by_a_chunk(vlm, hf_reference):
