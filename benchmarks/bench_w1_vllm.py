@@ -3,9 +3,12 @@
 N particles x T steps: every particle awaits ``next_token_logprobs`` of its own context each
 step and samples its next token from that row on the device the row lives on; the batcher
 turns the N awaits of a step into one engine call. The floor is vLLM's own decode loop over
-the same forward passes, in the same process: ``llm.generate(N copies of the prompt,
-max_tokens=T, ignore_eos=True)``. Each configuration warms up once and is repeated; the
-table reports medians and the ratio to the floor.
+the same forward passes: ``llm.generate(N copies of the prompt, max_tokens=T,
+ignore_eos=True)``, timed twice: on a plain ``vllm.LLM`` with vLLM's own defaults (async
+scheduling on where vLLM turns it on) in a child process, the floor of record
+(``floor_vllm_s``, ``ratio_vllm``), and on our engine in this process (``floor_s``,
+``ratio``; async scheduling off, our logits processor installed). Each configuration warms
+up once and is repeated, interleaved; the table reports medians and the ratios.
 
 CPU (tiny random Llama, Mistral's 32k tokenizer; a couple of minutes on 2 cores)::
 
@@ -123,18 +126,31 @@ def run(args: argparse.Namespace) -> dict:
         except json.JSONDecodeError:
             engine_opts[key] = value
     max_n = max(args.particles)
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(min(1000, vocab_size(model_dir) // 2), vocab_size(model_dir)) for _ in range(args.prompt_len)]
+    plain = None
+    if args.vllm_floor:  # started first, so that ours still finds its share of the device free
+        plain_opts = {**engine_opts, "enable_prefix_caching": True, "disable_log_stats": True}
+        plain_opts.pop("async_scheduling", None)  # vLLM's own choice (on where it can be)
+        if args.gpu:
+            plain_opts["gpu_memory_utilization"] = args.vllm_floor
+        for item in args.vllm_floor_opt:
+            key, _, value = item.partition("=")
+            plain_opts[key] = json.loads(value)
+        plain = FloorProcess(model_dir, plain_opts, prompt, args.steps)
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n)
     if args.gc_freeze:  # what vLLM does at engine start, once more after the backend's own setup
         gc.collect()
         gc.freeze()
     gc_pauses = GcPauses()
     llm = lm.underlying_model
-    rng = random.Random(args.seed)
-    prompt = [rng.randrange(min(1000, lm.vocab_size // 2), lm.vocab_size) for _ in range(args.prompt_len)]
     rows = []
     for n in args.particles:
+        # Ours closes its sessions within its time (the floor's engine must be free of them;
+        # closing is a cost of ours, not of vLLM's loop).
         def ours() -> None:
             asyncio.run(lockstep_smc(lm, prompt, n, args.steps, args.seed, args.sampler))
+            lm.close_sessions()
 
         def nosess() -> None:
             lm.set_sessions(False)
@@ -144,12 +160,16 @@ def run(args: argparse.Namespace) -> dict:
                 lm.set_sessions(True)
 
         def floor() -> None:
-            lm.close_sessions()
             params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
             llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
 
+        def vllm_floor() -> None:
+            plain.generate(n)
+
         variants = {"on": [("ours", ours)], "off": [("nosess", nosess)],
                     "both": [("ours", ours), ("nosess", nosess)]}[args.sessions] + [("floor", floor)]
+        if plain is not None:
+            variants.append(("vllm_floor", vllm_floor))
         times = {name: [] for name, _ in variants}
         engine_times = {name: [] for name, _ in variants}  # inside the backend's engine calls
         gc_times = {name: [] for name, _ in variants}  # in Python's cyclic garbage collector
@@ -174,8 +194,14 @@ def run(args: argparse.Namespace) -> dict:
             stored = torch.randn(min(n, 64), lm.vocab_size, device="cuda" if args.gpu else "cpu").log_softmax(-1)
             row["sample_s"] = min(time_draws(stored, n, args.steps, args.seed, args.sampler) for _ in range(2))
             row["other_us_per_request"] = 1e6 * (summary["ours"]["median_s"] - row["engine_s"] - row["sample_s"]) / (n * args.steps)
+        if plain is not None:
+            row["floor_vllm_s"] = summary["vllm_floor"]["median_s"]
         for name in summary:
-            if name != "floor":
+            if name == "vllm_floor":
+                for ours_name in summary.keys() - {"floor", "vllm_floor"}:
+                    suffix = "" if ours_name == "ours" else f"_{ours_name}"
+                    row[f"ratio_vllm{suffix}"] = summary[ours_name]["median_s"] / row["floor_vllm_s"]
+            elif name != "floor":
                 suffix = "" if name == "ours" else f"_{name}"
                 row[f"wall_s{suffix}"] = summary[name]["median_s"]
                 row[f"ratio{suffix}"] = summary[name]["median_s"] / floor_s
@@ -184,8 +210,61 @@ def run(args: argparse.Namespace) -> dict:
               f"floor {floor_s:.4f} s", flush=True)
     stats = lm.stats()
     lm.cleanup()
-    return {"config": {**vars(args), "model_dir": str(model_dir), "engine_opts": engine_opts}, "rows": rows,
-            "stats": stats}
+    config = {**vars(args), "model_dir": str(model_dir), "engine_opts": engine_opts}
+    if plain is not None:
+        config["vllm_floor_async_scheduling"] = plain.async_scheduling
+        plain.close()
+    return {"config": config, "rows": rows, "stats": stats}
+
+
+def vocab_size(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+class FloorProcess:
+    """vLLM's decode loop on a plain ``vllm.LLM`` with vLLM's own defaults, in a child process
+    (two engines with CUDA graphs cannot share one process): ``generate(n)`` runs the floor's
+    ``llm.generate`` of ``n`` copies of the prompt there and returns when it is done."""
+
+    def __init__(self, model_dir: Path, opts: dict, prompt: list[int], steps: int):
+        import subprocess
+
+        setup = json.dumps({"model": str(model_dir), "opts": opts, "prompt": prompt, "steps": steps})
+        self._child = subprocess.Popen([sys.executable, __file__, "--serve-floor", setup], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
+        self.async_scheduling = json.loads(self._read())["async_scheduling"]
+
+    def _read(self) -> str:
+        while True:  # vLLM may print to stdout too: answers start with a marker
+            line = self._child.stdout.readline()
+            if not line:
+                raise RuntimeError("the floor's process ended")
+            if line.startswith("@floor "):
+                return line.removeprefix("@floor ")
+
+    def generate(self, n: int) -> None:
+        self._child.stdin.write(f"{n}\n")
+        self._child.stdin.flush()
+        self._read()
+
+    def close(self) -> None:
+        self._child.stdin.close()
+        self._child.wait(timeout=120)
+
+
+def serve_floor(setup: str) -> None:
+    """The child of :class:`FloorProcess`: one line in (a particle count), one line out."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    setup = json.loads(setup)
+    llm = LLM(setup["model"], **setup["opts"])
+    params = SamplingParams(max_tokens=setup["steps"], ignore_eos=True, temperature=1.0, detokenize=False)
+    prompt = TokensPrompt(prompt_token_ids=setup["prompt"])
+    async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    print("@floor", json.dumps({"async_scheduling": async_scheduling}), flush=True)
+    for line in sys.stdin:
+        llm.generate([prompt] * int(line), params, use_tqdm=False)
+        print("@floor done", flush=True)
 
 
 class GcPauses:
@@ -223,6 +302,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (CPU default: 128)")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="extra vllm.LLM option (VALUE parsed as JSON when it can be); repeatable")
+    parser.add_argument("--vllm-floor", type=float, default=0.25, metavar="GPU_SHARE",
+                        help="the floor of record: vLLM's decode loop on a second, plain vllm.LLM with vLLM's own "
+                             "defaults (async scheduling on where vLLM turns it on) and the workload's options, in a "
+                             "child process, interleaved with the others (columns floor_vllm_s, ratio_vllm); "
+                             "GPU_SHARE is its gpu_memory_utilization (default 0.25, so that both engines fit: the "
+                             "KV cache's size does not change a step's time here); 0 leaves it out")
+    parser.add_argument("--vllm-floor-opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of --vllm-floor's engine (VALUE as JSON), e.g. async_scheduling=false")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() after the model is built (as vLLM does at engine start)")
     parser.add_argument("--out-dir", type=Path, default=None)
@@ -240,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Runs W1 with the command-line flags ``argv``, prints the table, writes the JSON."""
     args = parse_args(argv)
     result = run(args)
-    columns = [c for c in ("N", "T", "wall_s", "wall_s_nosess", "floor_s", "ratio", "ratio_nosess", "engine_s",
+    columns = [c for c in ("N", "T", "wall_s", "wall_s_nosess", "floor_s", "ratio", "ratio_nosess", "floor_vllm_s",
+                           "ratio_vllm", "ratio_vllm_nosess", "engine_s",
                            "sample_s", "gc_s", "gc_s_floor", "other_us_per_request")
                if c in result["rows"][0]]
     print_table(result["rows"], columns)
@@ -250,4 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--serve-floor"]:
+        serve_floor(sys.argv[2])
+    else:
+        main()

@@ -88,13 +88,18 @@ def test_every_workload_ran_and_the_summary_lists_it(suite):
 def test_w1_vllm(suite):
     payload = load(suite[0], "w1_vllm_cpu")
     for row in payload["rows"]:
-        for key in ("ours", "nosess", "floor"):
+        for key in ("ours", "nosess", "floor", "vllm_floor"):
             check_summary(row[key])
         assert same(row["wall_s"], row["ours"]["median_s"]) and same(
             row["floor_s"], row["floor"]["median_s"]
         )
         assert same(row["ratio"], row["wall_s"] / row["floor_s"])
         assert same(row["ratio_nosess"], row["nosess"]["median_s"] / row["floor_s"])
+        # The floor of record: a plain engine with vLLM's defaults, in its own process.
+        assert same(row["floor_vllm_s"], row["vllm_floor"]["median_s"])
+        assert same(row["ratio_vllm"], row["wall_s"] / row["floor_vllm_s"])
+        assert same(row["ratio_vllm_nosess"], row["nosess"]["median_s"] / row["floor_vllm_s"])
+    assert isinstance(payload["config"]["vllm_floor_async_scheduling"], bool)
 
 
 def test_w1_hf(suite):

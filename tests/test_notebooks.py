@@ -122,21 +122,21 @@ def expected_w1(results: Path) -> dict:
             rows = json.loads(path.read_text())["rows"]
         except (ValueError, KeyError, TypeError):
             continue
-        for key, variant, stored in (
-            ("wall_s", "default", "ratio"),
-            ("wall_s_nosess", "sessions off", "ratio_nosess"),
-        ):
+        for key, variant, suffix in (("wall_s", "default", ""), ("wall_s_nosess", "sessions off", "_nosess")):
+            # The floor of record where the file has it: vLLM's own defaults on a plain engine.
             points = {
-                int(r["N"]): r
+                int(r["N"]): (r, "floor_vllm_s" if is_number(r.get("floor_vllm_s")) else "floor_s")
                 for r in rows
-                if isinstance(r, dict) and all(is_number(r.get(k)) for k in ("N", "floor_s", key))
+                if isinstance(r, dict) and all(is_number(r.get(k)) for k in ("N", key))
+                and (is_number(r.get("floor_s")) or is_number(r.get("floor_vllm_s")))
             }
-            for n, row in points.items():
-                ratio = row[key] / row["floor_s"]
+            for n, (row, floor) in points.items():
+                ratio = row[key] / row[floor]
+                stored = ("ratio_vllm" if floor == "floor_vllm_s" else "ratio") + suffix
                 if stored in row:  # the benchmark's own ratio is the same quotient
                     assert ratio == pytest.approx(row[stored], rel=1e-9)
-                gain = n * points[1][key] / row[key] if 1 in points else None
-                expected[(path.stem, variant, n)] = (row["floor_s"], row[key], ratio, gain)
+                gain = n * points[1][0][key] / row[key] if 1 in points else None
+                expected[(path.stem, variant, n)] = (row[floor], row[key], ratio, gain)
     return expected
 
 
