@@ -191,6 +191,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         can_capture = not opts.get("speculative_config")
         if can_capture:
             opts["logits_processors"] = [*(opts.get("logits_processors") or []), vllm_capture.LogprobsCaptureProcessor]
+            vllm_internals.prefer_v1_model_runner()  # the runner our processor is written for
         llm = vllm.LLM(model=model_name, **opts)
         return cls(llm, can_capture=can_capture, **kwargs)
 

@@ -25,6 +25,12 @@ What is relied on:
   and then calls ``self.sample(logits, sampling_metadata)``, and the runner's bookkeeping
   copies the sampled tokens to the host through ``self._to_list`` (one ``[N, 1]`` tensor a
   step, async scheduling off). Without them the processor forces tokens in the logits.
+* The V1 model runner (:func:`prefer_v1_model_runner`): 0.32 on CUDA picks Model Runner V2
+  by default (``VllmConfig.use_v2_model_runner``), whose loader refuses logits processors
+  that are not its own ``LogitsProcessor`` (``v1/worker/gpu/sample/logits_processor/
+  loader.py``) and which has none of the runner calls above; ``VLLM_USE_V2_MODEL_RUNNER=0``
+  (unless the caller set it) keeps the runner these were checked on. CPU engines use the V1
+  runner either way.
 * ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
   shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
 """
@@ -32,6 +38,7 @@ What is relied on:
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +56,7 @@ __all__ = [
     "add_session_chunk",
     "discard_mask_reader",
     "install_forced_sampling",
+    "prefer_v1_model_runner",
     "is_cuda_oom",
     "is_stalled",
     "lora_refusal",
@@ -105,6 +113,17 @@ def install_forced_sampling(engine: Any, forcing: Any) -> Any:
     runner._to_list = forcing.wrap_to_list(runner._to_list)
     runner._genlm_forced_sampling = forcing
     return forcing
+
+
+def prefer_v1_model_runner() -> bool:
+    """Asks vLLM for its V1 model runner (the one the capture processor, holds and forced
+    sampling work with) by ``VLLM_USE_V2_MODEL_RUNNER=0``, unless the caller chose a runner;
+    returns whether this set it. vLLM reads the variable when an engine is configured (and
+    caches it after the first engine of a process has started)."""
+    if "VLLM_USE_V2_MODEL_RUNNER" in os.environ:
+        return False
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return True
 
 
 def _model_runner(engine: Any) -> Any:

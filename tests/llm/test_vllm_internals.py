@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import os
 
 import pytest
 import torch
@@ -184,6 +185,34 @@ def test_other_steps_force_through_the_logits_and_sample(forced_rows, logprobs):
 def test_forced_tokens_the_sampler_never_takes_fail_the_step_loudly():
     with pytest.raises(RuntimeError, match="did not take the forced tokens"):
         _forcing_step(4, range(4), call_sample=False)
+
+
+def test_prefer_v1_model_runner_sets_the_variable_unless_the_caller_did(monkeypatch):
+    from genlm_backend.llm import vllm_internals
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert vllm_internals.prefer_v1_model_runner() is True
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert vllm_internals.prefer_v1_model_runner() is False
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm.v1.worker.gpu.sample.logits_processor") is None,
+                    reason="this vLLM has no Model Runner V2 logits processors")
+def test_model_runner_v2_would_refuse_the_capture_processor(vlm):
+    # Why the V1 runner is asked for: V2's loader takes only its own processor type, and
+    # the engine reads the variable prefer_v1_model_runner set (False also without Triton).
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as RunnerV2Processor
+    from vllm.v1.worker.gpu.sample.logits_processor import loader
+
+    from genlm_backend.llm.vllm_capture import LogprobsCaptureProcessor
+
+    assert not issubclass(LogprobsCaptureProcessor, RunnerV2Processor)
+    with pytest.raises(ValueError, match="not a subclass"):
+        loader._load_v2_logitsprocs_by_fqcns([LogprobsCaptureProcessor])
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+    assert vlm.underlying_model.llm_engine.vllm_config.use_v2_model_runner is False
 
 
 def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects(vlm):
