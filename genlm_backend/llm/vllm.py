@@ -124,6 +124,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         self._lora_requests: dict[str, Any] = {}
         engine = llm.llm_engine
         self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs) - 1
+        vllm_internals.install_chunk_max_tokens(engine)  # a resumed session is held again
         # Rows go to their callers inside the step that computes them where vLLM tells
         # which rows are final; sessions are then held between steps (async scheduling off).
         self._sink.discarded = vllm_internals.discard_mask_reader(engine)

@@ -10,7 +10,9 @@ What is relied on:
 * Streaming-input sessions (:func:`add_session_chunk`): ``InputProcessor.process_inputs``
   takes ``resumable=True``; the output processor and the scheduler accept a second request
   with the same id as the next chunk of a parked one; the model runner re-adds the request
-  with the chunk's ``SamplingParams``. The scheduler object is read for stall detection
+  with the chunk's ``SamplingParams``; the scheduler's ``_update_request_as_session`` applies
+  a chunk to a parked session (0.26 leaves out the chunk's ``max_tokens``, which
+  :func:`install_chunk_max_tokens` adds). The scheduler object is read for stall detection
   (:func:`is_stalled`). Without these, :func:`supports_sessions` is False and sessions are off.
 * Holding sessions between steps: the in-process engine runs the sampler, and so the
   capture processor's ``apply``, on the thread that calls ``LLMEngine.step``
@@ -55,6 +57,7 @@ __all__ = [
     "add_request",
     "add_session_chunk",
     "discard_mask_reader",
+    "install_chunk_max_tokens",
     "install_forced_sampling",
     "prefer_v1_model_runner",
     "is_cuda_oom",
@@ -113,6 +116,33 @@ def install_forced_sampling(engine: Any, forcing: Any) -> Any:
     runner._to_list = forcing.wrap_to_list(runner._to_list)
     runner._genlm_forced_sampling = forcing
     return forcing
+
+
+def install_chunk_max_tokens(engine: Any) -> bool:
+    """Makes the scheduler give a parked session its new chunk's ``max_tokens``.
+
+    :func:`park` lowers a running session's ``max_tokens`` so that it stops after its step.
+    vLLM 0.32's ``Scheduler._update_request_as_session`` then takes the resuming chunk's
+    value; 0.26's (``v1/core/sched/scheduler.py:1286``) keeps the lowered one while it
+    clears the output tokens, so a resumed held session stopped by itself that many steps
+    later and its next continuation waited for a row that never came. Wraps the call on
+    this engine's scheduler (once); returns False where the scheduler lacks it."""
+    scheduler = _scheduler(engine)
+    original = getattr(scheduler, "_update_request_as_session", None)
+    if original is None:
+        return False
+    if getattr(scheduler, "_genlm_chunk_max_tokens", False):
+        return True
+
+    def update_request_as_session(session: Any, update: Any) -> None:
+        original(session, update)
+        max_tokens = getattr(update, "max_tokens", None)
+        if max_tokens is not None:
+            session.max_tokens = max_tokens
+
+    scheduler._update_request_as_session = update_request_as_session
+    scheduler._genlm_chunk_max_tokens = True
+    return True
 
 
 def prefer_v1_model_runner() -> bool:

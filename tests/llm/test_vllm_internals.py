@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import inspect
 import os
+import types
 
 import pytest
 import torch
@@ -185,6 +186,29 @@ def test_other_steps_force_through_the_logits_and_sample(forced_rows, logprobs):
 def test_forced_tokens_the_sampler_never_takes_fail_the_step_loudly():
     with pytest.raises(RuntimeError, match="did not take the forced tokens"):
         _forcing_step(4, range(4), call_sample=False)
+
+
+def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
+    # vLLM 0.26's scheduler applies a chunk to a parked session without its max_tokens; the
+    # wrapper adds it. A scheduler of that shape, then the engine's own.
+    from genlm_backend.llm import vllm_internals
+
+    class Scheduler026:
+        def _update_request_as_session(self, session, update):
+            session.prompt_token_ids += update.prompt_token_ids  # max_tokens left as parked
+
+    scheduler = Scheduler026()
+    engine = type("Engine", (), {})()
+    engine.engine_core = type("Client", (), {"engine_core": type("Core", (), {"scheduler": scheduler})()})()
+    assert vllm_internals.install_chunk_max_tokens(engine) is True
+    assert vllm_internals.install_chunk_max_tokens(engine) is True  # once
+    session = types.SimpleNamespace(prompt_token_ids=[1, 2], max_tokens=3)
+    scheduler._update_request_as_session(session, types.SimpleNamespace(prompt_token_ids=[4], max_tokens=500))
+    assert session.prompt_token_ids == [1, 2, 4] and session.max_tokens == 500
+    engine_scheduler = vlm.underlying_model.llm_engine.engine_core.engine_core.scheduler
+    assert engine_scheduler._genlm_chunk_max_tokens is True
+    params = inspect.signature(type(engine_scheduler)._update_request_as_session).parameters
+    assert list(params)[1:] == ["session", "update"]
 
 
 def test_prefer_v1_model_runner_sets_the_variable_unless_the_caller_did(monkeypatch):

@@ -123,6 +123,21 @@ async def test_a_parked_session_resumes_by_a_chunk(vlm, hf_reference):
     assert after["num_continued"] == before["num_continued"]  # re-added, not continued
 
 
+async def test_a_resumed_session_is_held_as_long_as_a_new_one(vlm, hf_reference):
+    # Parking lowers a session's max_tokens so that it stops after its step; the chunk that
+    # resumes it must bring back the held sessions' max_tokens (vLLM 0.26 kept the lowered
+    # value: the resumed session stopped by itself a few steps later).
+    context = contexts_of([8], seed=53)[0]
+    final, rows = await lockstep(vlm, [context], 6)
+    park_sessions(vlm)
+    before = sessions(vlm)
+    final, rows = await lockstep(vlm, [final[0] + [int(rows[0].argmax())]], 12)
+    assert_matches(rows[0], hf_reference("base", final[0]))
+    after = sessions(vlm)
+    assert after["num_continued"] - before["num_continued"] == 11  # resumed once, then held
+    assert after["num_opened"] == before["num_opened"]
+
+
 async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_reference):
     parent = contexts_of([12], seed=31)[0]
     await vlm.next_token_logprobs(parent)
