@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> dict:
         except json.JSONDecodeError:
             engine_opts[key] = value
     max_n = max(args.particles)
-    rng = random.Random(args.seed)
-    prompt = [rng.randrange(min(1000, vocab_size(model_dir) // 2), vocab_size(model_dir)) for _ in range(args.prompt_len)]
+    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
+    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
     plain = None
     if args.vllm_floor:  # started first, so that ours still finds its share of the device free
         plain_opts = {**engine_opts, "enable_prefix_caching": True, "disable_log_stats": True}
