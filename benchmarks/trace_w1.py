@@ -91,7 +91,8 @@ def install_engine(engine: object) -> None:
     core = getattr(engine.engine_core, "engine_core", None)
     runner = vllm_internals._model_runner(engine)
     for owner, name in ((getattr(core, "scheduler", None), "schedule"), (runner, "execute_model"),
-                        (runner, "sample_tokens"), (getattr(core, "scheduler", None), "update_from_output"),
+                        (runner, "sample_tokens"), (getattr(runner, "sampler", None), "forward"),
+                        (runner, "_bookkeeping_sync"), (getattr(core, "scheduler", None), "update_from_output"),
                         (engine.output_processor, "process_outputs")):
         if owner is not None and hasattr(owner, name):
             wrap(owner, name, name, f"{name}_end")
