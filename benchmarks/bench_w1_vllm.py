@@ -119,12 +119,7 @@ def run(args: argparse.Namespace) -> dict:
 
     model_dir, engine_opts = model_for(args)
     engine_opts["seed"] = args.seed
-    for item in args.engine_opt:
-        key, _, value = item.partition("=")
-        try:
-            engine_opts[key] = json.loads(value)
-        except json.JSONDecodeError:
-            engine_opts[key] = value
+    engine_opts.update(parse_opts(args.engine_opt))
     max_n = max(args.particles)
     rng, vocab = random.Random(args.seed), vocab_size(model_dir)
     prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
@@ -134,9 +129,7 @@ def run(args: argparse.Namespace) -> dict:
         plain_opts.pop("async_scheduling", None)  # vLLM's own choice (on where it can be)
         if args.gpu:
             plain_opts["gpu_memory_utilization"] = args.vllm_floor
-        for item in args.vllm_floor_opt:
-            key, _, value = item.partition("=")
-            plain_opts[key] = json.loads(value)
+        plain_opts.update(parse_opts(args.vllm_floor_opt))
         plain = FloorProcess(model_dir, plain_opts, prompt, args.steps)
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n)
     if args.gc_freeze:  # what vLLM does at engine start, once more after the backend's own setup
@@ -197,14 +190,12 @@ def run(args: argparse.Namespace) -> dict:
         if plain is not None:
             row["floor_vllm_s"] = summary["vllm_floor"]["median_s"]
         for name in summary:
-            if name == "vllm_floor":
-                for ours_name in summary.keys() - {"floor", "vllm_floor"}:
-                    suffix = "" if ours_name == "ours" else f"_{ours_name}"
-                    row[f"ratio_vllm{suffix}"] = summary[ours_name]["median_s"] / row["floor_vllm_s"]
-            elif name != "floor":
+            if name not in ("floor", "vllm_floor"):
                 suffix = "" if name == "ours" else f"_{name}"
                 row[f"wall_s{suffix}"] = summary[name]["median_s"]
                 row[f"ratio{suffix}"] = summary[name]["median_s"] / floor_s
+                if plain is not None:
+                    row[f"ratio_vllm{suffix}"] = summary[name]["median_s"] / row["floor_vllm_s"]
         rows.append(row)
         print(f"N={n}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("wall", "ratio"))),
               f"floor {floor_s:.4f} s", flush=True)
@@ -215,6 +206,18 @@ def run(args: argparse.Namespace) -> dict:
         config["vllm_floor_async_scheduling"] = plain.async_scheduling
         plain.close()
     return {"config": config, "rows": rows, "stats": stats}
+
+
+def parse_opts(items: list[str]) -> dict:
+    """``KEY=VALUE`` engine options; VALUE parsed as JSON when it can be."""
+    opts = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    return opts
 
 
 def vocab_size(model_dir: Path) -> int:
@@ -309,7 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "GPU_SHARE is its gpu_memory_utilization (default 0.25, so that both engines fit: the "
                              "KV cache's size does not change a step's time here); 0 leaves it out")
     parser.add_argument("--vllm-floor-opt", action="append", default=[], metavar="KEY=VALUE",
-                        help="an option of --vllm-floor's engine (VALUE as JSON), e.g. async_scheduling=false")
+                        help="an option of --vllm-floor's engine (VALUE parsed as JSON when it can be), e.g. "
+                             "async_scheduling=false")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() after the model is built (as vLLM does at engine start)")
     parser.add_argument("--out-dir", type=Path, default=None)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -50,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.bench_w1_vllm import GPU_CONFIG, TINY_CONFIG, build_model
+from benchmarks.bench_w1_vllm import GPU_CONFIG, TINY_CONFIG, build_model, parse_opts
 from benchmarks.common import print_table, summarise, write_json
 
 TARGET_RATIO = 0.95
@@ -64,12 +63,7 @@ def engine_opts_for(args: argparse.Namespace) -> dict[str, Any]:
     else:
         opts = {"max_model_len": 512, "dtype": "float32"}
     opts["seed"] = args.seed
-    for item in getattr(args, "engine_opt", ()):
-        key, _, value = item.partition("=")
-        try:
-            opts[key] = json.loads(value)
-        except json.JSONDecodeError:
-            opts[key] = value
+    opts.update(parse_opts(getattr(args, "engine_opt", ())))
     return opts
 
 
