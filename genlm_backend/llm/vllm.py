@@ -68,13 +68,17 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
     """A vLLM model whose log-probabilities and samples are awaited and auto-batched.
 
     Build it with :meth:`from_name`. Rows are fp32 log-softmax over the model's whole
-    output vocabulary (``[V]``), on the device vLLM runs on; they equal a plain forward
-    pass of the same weights up to the engine's kernels. Identical prompts queued together
+    output vocabulary (``[V]``), on the device vLLM runs on (on the CPU where its workers
+    are other processes); they equal a plain forward pass of the same weights up to the
+    engine's kernels. Identical prompts queued together
     are evaluated once; with ``cache_size > 0`` rows are cached per (prompt, adapter).
 
     Args:
         llm: a ``vllm.LLM`` built with ``logits_processors=[LogprobsCaptureProcessor]``
-            (:meth:`from_name` does this), in this process.
+            (:meth:`from_name` does this), its engine core in this process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Its workers may be other processes
+            (``tensor_parallel_size > 1``): rows then come back with each step's output, on
+            the CPU, and sessions are parked between batches instead of held.
         cache_size, cache_opts, batch_size, timeout, flush: see
             :class:`~genlm_backend.llm.base.AsyncLM`. ``batch_size`` bounds log-probability
             batches; sampling requests go to the engine up to ``max(batch_size, 1024)`` at
@@ -128,6 +132,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         # Rows go to their callers inside the step that computes them where vLLM tells
         # which rows are final; sessions are then held between steps (async scheduling off).
         self._sink.discarded = vllm_internals.discard_mask_reader(engine)
+        # Workers in other processes (tensor parallelism, the "mp" executor) send their rows
+        # with each step's output; they are taken when their requests finish.
+        self._remote_rows = can_capture and vllm_internals.install_remote_capture(llm, vllm_capture.deliver_remote)
         self._holds = (
             self._sink.discarded is not None
             and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
@@ -193,6 +200,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         if can_capture:
             opts["logits_processors"] = [*(opts.get("logits_processors") or []), vllm_capture.LogprobsCaptureProcessor]
             vllm_internals.prefer_v1_model_runner()  # the runner our processor is written for
+        vllm_internals.prefer_spawned_workers(opts)
         llm = vllm.LLM(model=model_name, **opts)
         return cls(llm, can_capture=can_capture, **kwargs)
 

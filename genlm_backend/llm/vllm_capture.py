@@ -11,7 +11,11 @@ the persistent batch, before penalties and temperature. Processors that say they
 argmax-invariant run on every step, greedy batches included (argmax-invariant ones are
 skipped when every row is greedy). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one worker
 (``tensor_parallel_size=1``) the processor lives in this process, so it can hand rows to a
-process-wide registry of sinks.
+process-wide registry of sinks. Where the engine's workers are other processes
+(``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``), the processor of the
+worker whose output the engine reads gathers the rows of this process's sinks in a
+:class:`RemoteRows`; they travel back with that step's output and reach their sinks
+(:func:`deliver_remote`) before the engine handles the step's results.
 
 How rows reach their requests: every capture request carries
 ``SamplingParams.extra_args[CAPTURE_KEY] = [sink_token, tag]``. The processor keeps a map
@@ -41,13 +45,19 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from .vllm_internals import CHECKED_VERSIONS
 
-__all__ = ["CAPTURE_KEY", "CaptureSink", "ForcedSampling", "LogprobsCaptureProcessor", "force_tokens"]
+__all__ = [
+    "CAPTURE_KEY", "CaptureSink", "ForcedSampling", "LogprobsCaptureProcessor", "RemoteRows", "deliver_remote",
+    "force_tokens", "set_remote",
+]
 
 CAPTURE_KEY = "genlm_backend_capture"
 
 _SINKS: weakref.WeakValueDictionary[str, CaptureSink] = weakref.WeakValueDictionary()
 # ``.forcing``: the ForcedSampling of the sampler call running on this thread, if any.
 _LOCAL = threading.local()
+# In an engine worker process whose output the engine reads: where the rows of sinks that
+# live in the engine's process go (see RemoteRows; None elsewhere).
+_REMOTE: RemoteRows | None = None
 
 
 class CaptureSink:
@@ -107,18 +117,26 @@ class CaptureSink:
         """Returns and forgets the row of ``tag``.
 
         Raises:
-            RuntimeError: the row never arrived (the processor did not run in this process,
-                or vLLM changed how it reports batch rows).
+            RuntimeError: the row never arrived (the engine core runs in another process, or
+                vLLM changed how it reports batch rows or step outputs).
         """
         with self._lock:
             row = self._rows.pop(tag, None)
         if row is None:
             raise RuntimeError(
-                "the logits processor delivered no row for this request: it runs in another "
-                "process (use VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size=1) or "
-                f"this vLLM differs from the checked versions {CHECKED_VERSIONS}"
+                "the logits processor delivered no row for this request: the engine core runs in "
+                "another process (use VLLM_ENABLE_V1_MULTIPROCESSING=0) or this vLLM differs from "
+                f"the checked versions {CHECKED_VERSIONS}"
             )
         return row
+
+    def receive(self, tag: int, row: torch.Tensor) -> None:
+        """A final row of ``tag`` computed in another process (see :func:`deliver_remote`)."""
+        target = self._followers.get(tag) or self._targets.pop(tag, None)
+        if target is not None:
+            target(row)
+        else:
+            self.put(tag, row)
 
     def discard(self, tag: int) -> None:
         self._targets.pop(tag, None)
@@ -218,6 +236,8 @@ class LogprobsCaptureProcessor(LogitsProcessor):
             sink = _SINKS.get(token)
             if sink is not None:
                 forced += sink.capture(logits, rows, len(self._sinks) > 1, self._staging)
+            elif _REMOTE is not None:  # a worker process: the sink lives in the engine's
+                _REMOTE.capture(logits, rows, token, self._staging)
         if forced:
             if len(self._sinks) > 1:
                 forced.sort()
@@ -227,6 +247,63 @@ class LogprobsCaptureProcessor(LogitsProcessor):
             else:
                 force_tokens(logits, forced)
         return logits
+
+
+class RemoteRows:
+    """The rows of one engine step for sinks in another process, gathered in a worker.
+
+    Installed in the worker whose step output the engine reads
+    (:func:`~.vllm_internals.install_remote_capture`): the capture processor gives it the
+    final rows of every tag whose sink is not in this process; the log-softmax of those rows
+    leaves the device as one ``[k, V]`` array per sink, and :meth:`take` hands the step's
+    rows over to be sent with its output. Nothing is forced and nothing is held: the sinks
+    take their rows when their requests finish.
+    """
+
+    def __init__(self, discarded: Callable[[int], Any] | None):
+        self.discarded = discarded  # as CaptureSink.discarded, read in this process
+        self.parts: list[tuple[str, list[int], Any]] = []
+
+    def capture(self, logits: torch.Tensor, rows: dict[int, tuple[str, int, list[int]]], token: str,
+                staging: _Staging) -> None:
+        if self.discarded is None:  # finality unknown: rows before the first output token
+            final = sorted((i, tag) for i, (sink, tag, out) in rows.items() if sink == token and not out)
+        else:
+            partial = self.discarded(logits.shape[0]).tolist()
+            final = sorted((i, tag) for i, (sink, tag, _) in rows.items() if sink == token and not partial[i])
+        if not final:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            picked = _rows_of(logits, [i for i, _ in final], staging)
+            captured = torch.log_softmax(picked, dim=-1, dtype=torch.float32).cpu()
+        # A NumPy array pickles its memory out of band (protocol 5), which the engine's
+        # message queue sends as is; a tensor would be pickled by ``torch.save`` into the
+        # message (vLLM 0.26: several copies, ~0.1 s a step for 64 rows of 131k).
+        self.parts.append((token, [tag for _, tag in final], captured.numpy()))
+
+    def take(self) -> list[tuple[str, list[int], Any]] | None:
+        """This step's rows as ``(sink token, tags, rows [len(tags), V] as a NumPy array)``
+        parts, or None."""
+        parts, self.parts = self.parts, []
+        return parts or None
+
+
+def set_remote(remote: RemoteRows | None) -> None:
+    """Makes this process's capture processors gather other processes' rows in ``remote``."""
+    global _REMOTE
+    _REMOTE = remote
+
+
+def deliver_remote(parts: list[tuple[str, list[int], Any]]) -> None:
+    """Hands rows that a worker process gathered (:meth:`RemoteRows.take`) to their sinks.
+
+    The arrays are copied: the message queue may hand them over as views of its reusable
+    shared-memory slots (vLLM 0.26)."""
+    for token, tags, rows in parts:
+        sink = _SINKS.get(token)
+        if sink is not None:
+            for tag, row in zip(tags, torch.tensor(rows).unbind(0)):
+                sink.receive(tag, row)
 
 
 class ForcedSampling:

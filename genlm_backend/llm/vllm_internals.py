@@ -27,6 +27,14 @@ What is relied on:
   and then calls ``self.sample(logits, sampling_metadata)``, and the runner's bookkeeping
   copies the sampled tokens to the host through ``self._to_list`` (one ``[N, 1]`` tensor a
   step, async scheduling off). Without them the processor forces tokens in the logits.
+* Rows from engine workers in other processes (:func:`install_remote_capture`:
+  ``tensor_parallel_size > 1`` or ``distributed_executor_backend="mp"``, with the engine core
+  in this process): ``LLM.collective_rpc`` runs a function on every worker with the worker
+  as its first argument (``worker.rank``, ``worker.model_runner``); the executor reads the
+  step output of ``executor.output_rank`` only; the worker's ``model_runner.sample_tokens``
+  returns that output (a ``ModelRunnerOutput``, or an async one whose ``get_output`` does),
+  which travels to this process pickled, extra attributes included; the engine core hands
+  it to ``scheduler.update_from_output`` before any of the step's results go out.
 * The V1 model runner (:func:`prefer_v1_model_runner`): 0.32 on CUDA picks Model Runner V2
   by default (``VllmConfig.use_v2_model_runner``), whose loader refuses logits processors
   that are not its own ``LogitsProcessor`` (``v1/worker/gpu/sample/logits_processor/
@@ -59,12 +67,14 @@ __all__ = [
     "discard_mask_reader",
     "install_chunk_max_tokens",
     "install_forced_sampling",
-    "prefer_v1_model_runner",
+    "install_remote_capture",
     "is_cuda_oom",
     "is_stalled",
     "lora_refusal",
     "output_done",
     "park",
+    "prefer_spawned_workers",
+    "prefer_v1_model_runner",
     "register_engine",
     "shutdown",
     "supports_sessions",
@@ -90,7 +100,10 @@ def discard_mask_reader(engine: Any) -> Callable[[int], Any] | None:
     0.26 and 0.32, set before the logits processors run). None where it cannot be read
     (another process, another model runner): rows are then only known final once their
     request finishes."""
-    runner = _model_runner(engine)
+    return _mask_reader(_model_runner(engine))
+
+
+def _mask_reader(runner: Any) -> Callable[[int], Any] | None:
     mask = getattr(runner, "discard_request_mask", None)
     if mask is None or not hasattr(mask, "np"):
         return None
@@ -116,6 +129,77 @@ def install_forced_sampling(engine: Any, forcing: Any) -> Any:
     runner._to_list = forcing.wrap_to_list(runner._to_list)
     runner._genlm_forced_sampling = forcing
     return forcing
+
+
+# The attribute of a worker's step output that carries the captured rows to this process.
+_ROWS_ATTR = "genlm_capture_rows"
+
+
+def install_remote_capture(llm: Any, deliver: Callable[[Any], None]) -> bool:
+    """Brings the captured rows of an engine whose workers run in other processes.
+
+    The worker whose output the engine reads (``executor.output_rank``; the others capture
+    nothing) gathers the rows of this process's sinks (:class:`~.vllm_capture.RemoteRows`)
+    and sends them with its step output; this process's scheduler gets ``deliver(rows)``
+    before it handles that output. Returns False where the model runner is in this process
+    (nothing to do) or where this cannot be arranged (the engine core in another process,
+    a worker without these calls): log-probability calls then fail with a clear error.
+    """
+    engine = llm.llm_engine
+    scheduler = _scheduler(engine)
+    executor = getattr(getattr(engine.engine_core, "engine_core", None), "model_executor", None)
+    if _model_runner(engine) is not None or scheduler is None or executor is None:
+        return False
+    if getattr(scheduler, "_genlm_remote_capture", False):
+        return True
+    installed = llm.collective_rpc(_install_in_worker, args=(getattr(executor, "output_rank", 0),))
+    if not any(installed):
+        return False
+    original = scheduler.update_from_output
+
+    def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
+        rows = getattr(model_runner_output, _ROWS_ATTR, None)
+        if rows is not None:
+            deliver(rows)
+        return original(scheduler_output, model_runner_output)
+
+    scheduler.update_from_output = update_from_output
+    scheduler._genlm_remote_capture = True
+    return True
+
+
+def _install_in_worker(worker: Any, output_rank: int) -> bool:
+    """In a worker process (through ``collective_rpc``): on the output rank, makes the capture
+    processor gather rows for the engine's process and its step output carry them."""
+    from . import vllm_capture
+
+    runner = getattr(worker, "model_runner", None)
+    sample_tokens = getattr(runner, "sample_tokens", None)
+    if getattr(worker, "rank", None) != output_rank or sample_tokens is None:
+        return False
+    if getattr(runner, "_genlm_remote", None) is None:
+        remote = vllm_capture.RemoteRows(_mask_reader(runner))
+
+        def sample(*args: Any, **kwargs: Any) -> Any:
+            output = sample_tokens(*args, **kwargs)
+            rows = remote.take()
+            return output if rows is None else _carrying(output, rows)
+
+        runner.sample_tokens = sample
+        runner._genlm_remote = remote
+        vllm_capture.set_remote(remote)
+    return True
+
+
+def _carrying(output: Any, rows: Any) -> Any:
+    """``output`` (a step's ``ModelRunnerOutput``, or an async one) with ``rows`` attached."""
+    get_output = getattr(output, "get_output", None)
+    if callable(get_output):  # async scheduling: the output is made later, on the worker
+        output.get_output = lambda: _carrying(get_output(), rows)
+        return output
+    output = copy.copy(output)  # never touch a shared one (vLLM's EMPTY_MODEL_RUNNER_OUTPUT)
+    setattr(output, _ROWS_ATTR, rows)
+    return output
 
 
 def install_chunk_max_tokens(engine: Any) -> bool:
@@ -153,6 +237,23 @@ def prefer_v1_model_runner() -> bool:
     if "VLLM_USE_V2_MODEL_RUNNER" in os.environ:
         return False
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return True
+
+
+def prefer_spawned_workers(engine_opts: dict) -> bool:
+    """Asks vLLM to start worker processes by ``spawn`` (``VLLM_WORKER_MULTIPROC_METHOD``)
+    when ``engine_opts`` give the engine workers in other processes, unless the caller
+    chose a method; returns whether this set it. vLLM forks by default and switches to
+    spawn only when it sees CUDA initialized; a forked worker of a process that touched
+    CUDA another way fails ("Cannot re-initialize CUDA in forked subprocess", seen on the
+    H100 under pytest with 0.26). Spawned workers import the caller's main module again,
+    as with any spawned process: scripts keep their work under ``if __name__ == "__main__"``."""
+    multi = any(int(engine_opts.get(key) or 1) > 1 for key in ("tensor_parallel_size", "pipeline_parallel_size"))
+    if not (multi or engine_opts.get("distributed_executor_backend") == "mp"):
+        return False
+    if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ:
+        return False
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     return True
 
 

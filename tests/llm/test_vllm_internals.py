@@ -119,6 +119,94 @@ def test_final_rows_go_to_their_targets_and_forced_tokens_win(rows):
             assert torch.equal(out[i], logits[i])
 
 
+@pytest.mark.parametrize("mask", [True, False], ids=["runner-mask", "no-mask"])
+def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(mask):
+    """In a worker process (no sinks of its own), the processor gathers the final rows of the
+    engine process's sinks; they survive pickling as the step output's attribute (how vLLM's
+    executor sends them) and reach their sink's slots; partial prefills, untagged rows and a
+    step output shared by vLLM are left alone."""
+    import pickle
+
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from genlm_backend.llm import vllm_capture, vllm_internals
+
+    sink = vllm_capture.CaptureSink()
+    tags = [sink.new_tag() for _ in range(3)]
+    proc = vllm_capture.LogprobsCaptureProcessor(None, torch.device("cpu"), False)
+    # rows 0, 2, 3 tagged; row 3 is a partial prefill (runner mask) or has an output token
+    added = [(0, SamplingParams(extra_args=sink.extra_args(tags[0])), [1], []),
+             (1, SamplingParams(), [1], []),
+             (2, SamplingParams(extra_args=sink.extra_args(tags[1])), [1], []),
+             (3, SamplingParams(extra_args=sink.extra_args(tags[2])), [1], [] if mask else [9])]
+    proc.update_state(BatchUpdate(4, removed=[], added=added, moved=[]))
+    remote = vllm_capture.RemoteRows((lambda n: np.array([i == 3 for i in range(n)])) if mask else None)
+    logits = torch.randn(4, 10)
+    vllm_capture._SINKS.pop(sink.token)  # as in a worker: the sink lives in another process
+    vllm_capture.set_remote(remote)
+    try:
+        out = proc.apply(logits.clone())
+    finally:
+        vllm_capture.set_remote(None)
+        vllm_capture._SINKS[sink.token] = sink
+    assert torch.equal(out, logits)
+    output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
+    sent = vllm_internals._carrying(output, remote.take())
+    assert sent is not output and not hasattr(output, vllm_internals._ROWS_ATTR)
+    assert remote.take() is None  # handed over once
+    received = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+    vllm_capture.deliver_remote(getattr(received, vllm_internals._ROWS_ATTR))
+    expected = torch.log_softmax(logits, -1)
+    assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[2])
+    with pytest.raises(RuntimeError):
+        sink.take(tags[2])
+    shared = vllm_internals._carrying(EMPTY_MODEL_RUNNER_OUTPUT, [])
+    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, vllm_internals._ROWS_ATTR)
+
+
+def test_an_async_output_carries_the_rows_once_it_is_made():
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from genlm_backend.llm import vllm_internals
+
+    made = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+    pending = types.SimpleNamespace(get_output=lambda: made)
+    assert vllm_internals._carrying(pending, ["rows"]) is pending
+    assert getattr(pending.get_output(), vllm_internals._ROWS_ATTR) == ["rows"]
+
+
+def test_the_worker_calls_remote_capture_relies_on_are_where_it_expects():
+    """``Worker.sample_tokens`` returns the runner's ``sample_tokens``; the executor reads one
+    output rank; the engine core gives the step output to ``scheduler.update_from_output``."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert "self.model_runner.sample_tokens(" in inspect.getsource(Worker.sample_tokens)
+    assert callable(GPUModelRunner.sample_tokens)
+    assert "self.output_rank" in inspect.getsource(MultiprocExecutor)
+    assert "self.scheduler.update_from_output(" in inspect.getsource(EngineCore.step)
+    assert dataclasses.is_dataclass(ModelRunnerOutput) and not hasattr(ModelRunnerOutput, "__slots__")
+
+
+def test_prefer_spawned_workers_only_for_worker_processes(monkeypatch):
+    from genlm_backend.llm import vllm_internals
+
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    assert vllm_internals.prefer_spawned_workers({"tensor_parallel_size": 1}) is False
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    assert vllm_internals.prefer_spawned_workers({"tensor_parallel_size": 2}) is True
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    assert vllm_internals.prefer_spawned_workers({"distributed_executor_backend": "mp"}) is False
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+
 class _SamplerShape:
     """What :class:`ForcedSampling` relies on in vLLM's ``Sampler`` and model runner, in
     miniature: ``forward`` runs the logits processors, then ``self.sample``; the runner

@@ -1,0 +1,152 @@
+"""AsyncVirtualLM on an engine whose workers are other processes: ``distributed_executor_backend
+="mp"`` (one worker process) here, and ``tensor_parallel_size=2`` in a process of its own.
+
+The capture processor then runs in a worker: the rows travel back with each step's output
+(``vllm_internals.install_remote_capture``). Every row is compared with a plain transformers
+forward pass of its whole context (same tolerance as ``test_vllm.py``), so a row that went to
+the wrong caller, a partial prefill's row, or a session that lost a token fails. If vLLM stops
+carrying the rows, every log-probability call here fails with ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+
+import pytest
+import torch
+from vllm_fixtures import ENGINE_OPTS, MAX_MODEL_LEN, assert_matches, cpu_lora
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
+]
+
+
+def contexts_of(lengths, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def worker_lm(tiny_model_dirs):
+    """The tiny model on vLLM's multiprocessing executor: one worker, in another process."""
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]),
+                                  engine_opts={**ENGINE_OPTS, "distributed_executor_backend": "mp"})
+    yield lm
+    lm.cleanup()
+
+
+def test_the_model_runner_is_in_another_process(worker_lm):
+    from genlm_backend.llm import vllm_internals
+
+    engine = worker_lm.underlying_model.llm_engine
+    assert vllm_internals.discard_mask_reader(engine) is None  # no runner here
+    assert worker_lm._remote_rows and not worker_lm._holds
+
+
+async def test_rows_from_a_worker_equal_a_forward_pass(worker_lm, hf_reference):
+    # 12 prompts (more than max_num_seqs=8) and one of 300 tokens (chunked prefill over
+    # max_num_batched_tokens=256): the batch spans several engine steps.
+    prompts = contexts_of([1, 2, 5, 9, 17, 33, 8, 3, 12, 20, 4, 6, 300], seed=71)
+    rows = await asyncio.gather(*(worker_lm.next_token_logprobs(p) for p in prompts))
+    for prompt, row in zip(prompts, rows):
+        assert row.device.type == "cpu"
+        assert_matches(row, hf_reference("base", prompt))
+
+
+async def test_sessions_extend_by_chunks_between_batches(worker_lm, hf_reference):
+    """No holds across processes: a session parks after each row and the next batch appends
+    its token as a one-token chunk."""
+    contexts = contexts_of([3, 9, 17, 40], seed=72)
+    before = worker_lm.stats()["sessions"]
+    for _ in range(5):
+        rows = await asyncio.gather(*(worker_lm.next_token_logprobs(c) for c in contexts))
+        for context, row in zip(contexts, rows):
+            assert_matches(row, hf_reference("base", context))
+        contexts = [c + [int(torch.multinomial(r.exp(), 1))] for c, r in zip(contexts, rows)]
+    after = worker_lm.stats()["sessions"]
+    assert after["num_extended"] - before["num_extended"] == 16  # steps 2-5 extend all four
+    assert after["num_continued"] == before["num_continued"] == 0
+
+
+async def test_sampling_beside_rows_in_one_batch(worker_lm, hf_reference):
+    """Sampling requests carry no tag: they sample as usual while rows are captured."""
+    prompt, other = contexts_of([7, 11], seed=73)
+    tokens, row = await asyncio.gather(worker_lm.sample(prompt, 4, [], temperature=0.0),
+                                       worker_lm.next_token_logprobs(other))
+    assert_matches(row, hf_reference("base", other))
+    greedy = list(prompt)
+    for _ in range(4):  # the reference's greedy continuation, token by token
+        greedy.append(int(hf_reference("base", greedy).argmax()))
+    assert tokens == greedy[len(prompt):]
+
+
+async def test_bad_input_fails_only_its_caller(worker_lm, hf_reference):
+    good = contexts_of([6], seed=74)[0]
+    results = await asyncio.gather(worker_lm.next_token_logprobs(good), worker_lm.next_token_logprobs([5, 32000]),
+                                   worker_lm.next_token_logprobs([1] * (MAX_MODEL_LEN + 1)), return_exceptions=True)
+    assert_matches(results[0], hf_reference("base", good))
+    assert isinstance(results[1], ValueError) and isinstance(results[2], ValueError)
+
+
+@cpu_lora
+def test_an_adapter_in_a_worker_matches_the_merged_model(worker_lm, tiny_model_dirs, hf_reference):
+    prompt = contexts_of([13], seed=75)[0]
+    worker_lm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
+    try:
+        assert_matches(worker_lm.next_token_logprobs_sync(prompt, lora_name="ad"), hf_reference("merged", prompt))
+        assert_matches(worker_lm.next_token_logprobs_sync(prompt), hf_reference("base", prompt))
+    finally:
+        worker_lm.remove_lora("ad")
+
+
+# Tensor parallelism in a process of its own: vLLM reads its settings once per process, and
+# two CPU workers need VLLM_CPU_OMP_THREADS_BIND=nobind on a one-NUMA-node machine.
+_TP_RUN = """
+import asyncio, json, sys
+import torch
+from genlm_backend.llm.vllm import AsyncVirtualLM
+
+model, opts, prompts, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+lm = AsyncVirtualLM.from_name(model, engine_opts=opts)
+
+async def main():
+    first = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+    contexts = [p + [int(r.argmax())] for p, r in zip(prompts, first)]
+    second = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+    return {"contexts": prompts + contexts, "rows": torch.stack(list(first) + list(second))}
+
+torch.save(asyncio.run(main()), out)
+print("RESULT", lm.underlying_model.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+lm.cleanup()
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_rows_equal_a_forward_pass(tiny_model_dirs, hf_reference, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("tensor_parallel_size=2 needs two GPUs here")
+    prompts = contexts_of([4, 30, 300], seed=76)
+    opts = {k: v for k, v in ENGINE_OPTS.items() if "lora" not in k}
+    opts.update(tensor_parallel_size=2, distributed_executor_backend="mp")
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    out = tmp_path / "rows.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", _TP_RUN, str(tiny_model_dirs["base"]), json.dumps(opts), json.dumps(prompts), str(out)],
+        capture_output=True, text=True, timeout=600, check=False, env=env,
+    )
+    assert done.returncode == 0 and "RESULT 2" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    got = torch.load(out)
+    assert len(got["contexts"]) == 6
+    for context, row in zip(got["contexts"], got["rows"]):
+        assert_matches(row, hf_reference("base", context))
