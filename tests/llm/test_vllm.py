@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import random
 import re
 
 import pytest
 import torch
-from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora
+from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora, prompts_of
 
 from genlm_backend.exceptions import EngineError, RequestDroppedError
 
@@ -25,10 +24,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]
 
-
-def prompts_of(lengths, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
 
 
 async def test_next_token_logprobs_equal_a_transformers_forward_pass(vlm, hf_reference):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import random
 
 import pytest
 import torch
-from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora
+from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora, prompts_of
 
 from genlm_backend.exceptions import EngineError, InvalidRequestError
 from genlm_backend.llm.prompts import LogprobsRequest
@@ -24,10 +23,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]
 
-
-def contexts_of(lengths, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
 
 
 async def lockstep(vlm, contexts, num_steps, lora_name=None):
@@ -49,7 +44,7 @@ def park_sessions(vlm):
 
 
 async def test_rows_through_sessions_equal_a_forward_pass(vlm, hf_reference):
-    contexts = contexts_of([3, 9, 17, 40], seed=30)
+    contexts = prompts_of([3, 9, 17, 40], seed=30)
     extended = sessions(vlm)["num_extended"]
     for _ in range(4):
         rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
@@ -63,7 +58,7 @@ async def test_rows_through_sessions_equal_a_forward_pass(vlm, hf_reference):
 async def test_lockstep_steps_continue_held_sessions_without_re_adding_them(vlm, hf_reference):
     # Each step's rows go out inside the engine step; the next batch's plan runs while that
     # step waits, and forces every particle's token: no chunk is added after the first.
-    contexts = contexts_of([4, 11, 23], seed=42)
+    contexts = prompts_of([4, 11, 23], seed=42)
     before = sessions(vlm)
     engine = vlm.stats()["engine"]
     final, rows = await lockstep(vlm, contexts, 5)
@@ -82,7 +77,7 @@ async def test_a_step_mixing_forced_and_parked_rows_forces_through_the_logits(vl
     # batch's rows. When the next batch continues only some of them, the others are parked
     # in that step: not every row is forced, so the forced ones go through the logits and
     # vLLM samples; the parked one drops its sampled token and resumes later by a chunk.
-    a, b, c = contexts_of([7, 12, 9], seed=47)
+    a, b, c = prompts_of([7, 12, 9], seed=47)
     engine = vlm.stats()["engine"]
     rows = await asyncio.gather(*(vlm.next_token_logprobs(x) for x in (a, b, c)))
     a, b, c = (x + [int(r.argmax())] for x, r in zip((a, b, c), rows))
@@ -94,7 +89,7 @@ async def test_a_step_mixing_forced_and_parked_rows_forces_through_the_logits(vl
 
 
 async def test_forced_steps_give_the_rows_of_forcing_through_the_logits(vlm):
-    contexts = contexts_of([5, 8, 13], seed=49)
+    contexts = prompts_of([5, 8, 13], seed=49)
     final_on, rows_on = await lockstep(vlm, contexts, 4)
     vlm.close_sessions()
     vlm._forcing.enabled = False
@@ -110,7 +105,7 @@ async def test_forced_steps_give_the_rows_of_forcing_through_the_logits(vlm):
 
 
 async def test_a_parked_session_resumes_by_a_chunk(vlm, hf_reference):
-    contexts = contexts_of([6, 9], seed=43)
+    contexts = prompts_of([6, 9], seed=43)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     park_sessions(vlm)
     before = sessions(vlm)
@@ -127,7 +122,7 @@ async def test_a_resumed_session_is_held_as_long_as_a_new_one(vlm, hf_reference)
     # Parking lowers a session's max_tokens so that it stops after its step; the chunk that
     # resumes it must bring back the held sessions' max_tokens (vLLM 0.26 kept the lowered
     # value: the resumed session stopped by itself a few steps later).
-    context = contexts_of([8], seed=53)[0]
+    context = prompts_of([8], seed=53)[0]
     final, rows = await lockstep(vlm, [context], 6)
     park_sessions(vlm)
     before = sessions(vlm)
@@ -139,7 +134,7 @@ async def test_a_resumed_session_is_held_as_long_as_a_new_one(vlm, hf_reference)
 
 
 async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_reference):
-    parent = contexts_of([12], seed=31)[0]
+    parent = prompts_of([12], seed=31)[0]
     await vlm.next_token_logprobs(parent)
     # Resampling: three particles now share `parent`; each appends a different token.
     children = [parent + [t] for t in (101, 202, 303)]
@@ -157,14 +152,14 @@ async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_referenc
 
 async def test_sessions_are_bounded_and_evicted_least_recently_used_first(vlm, hf_reference):
     vlm.set_sessions(3)
-    contexts = contexts_of([5, 6, 7, 8, 9], seed=32)
+    contexts = prompts_of([5, 6, 7, 8, 9], seed=32)
     final, rows = await lockstep(vlm, contexts, 3)
     assert sessions(vlm)["num_live"] <= 3
     for context, row in zip(final, rows):
         assert_matches(row, hf_reference("base", context))
     vlm.set_sessions(True)
     # Sessions not extended for `idle_batches` batches are closed.
-    chain = contexts_of([4], seed=33)[0]
+    chain = prompts_of([4], seed=33)[0]
     for i in range(vlm._sessions.idle_batches + 1):
         await vlm.next_token_logprobs(chain)
         chain = chain + [i + 3]
@@ -175,7 +170,7 @@ async def test_sessions_are_bounded_and_evicted_least_recently_used_first(vlm, h
 
 async def test_more_particles_than_engine_slots_still_make_progress(vlm, hf_reference):
     # 12 particles, 7 session slots: the rest run as plain requests; nothing waits forever.
-    contexts = contexts_of([6] * 12, seed=34)
+    contexts = prompts_of([6] * 12, seed=34)
     final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 3), timeout=120)
     for context, row in zip(final, rows):
         assert_matches(row, hf_reference("base", context))
@@ -185,7 +180,7 @@ async def test_more_particles_than_engine_slots_still_make_progress(vlm, hf_refe
 
 
 async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(vlm, hf_reference):
-    contexts = contexts_of([5, 6], seed=35)
+    contexts = prompts_of([5, 6], seed=35)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
     nxt = [c + [9] for c in contexts]
@@ -201,7 +196,7 @@ async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(vlm, 
 async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypatch):
     from genlm_backend.llm import vllm_internals
 
-    contexts = contexts_of([5, 6, 7], seed=36)
+    contexts = prompts_of([5, 6, 7], seed=36)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     park_sessions(vlm)  # extending a parked session adds a chunk, which vLLM may refuse
     doomed = vlm._sessions._by_key[LogprobsRequest(tuple(contexts[1]), None)].request_id
@@ -225,7 +220,7 @@ async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypa
 
 
 async def test_a_cancelled_caller_leaves_the_others_and_the_sessions_usable(vlm, hf_reference):
-    contexts = contexts_of([5, 6], seed=37)
+    contexts = prompts_of([5, 6], seed=37)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     nxt = [c + [13] for c in contexts]
     tasks = [asyncio.ensure_future(vlm.next_token_logprobs(c)) for c in nxt]
@@ -243,7 +238,7 @@ async def test_a_cancelled_caller_leaves_the_others_and_the_sessions_usable(vlm,
 @cpu_lora
 async def test_sessions_are_kept_apart_per_adapter(vlm, hf_reference, tiny_model_dirs):
     vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
-    context = contexts_of([8], seed=38)[0]
+    context = prompts_of([8], seed=38)[0]
     for step in range(3):
         base, lora = await asyncio.gather(vlm.next_token_logprobs(context), vlm.next_token_logprobs(context, "ad"))
         assert_matches(base, hf_reference("base", context))
@@ -257,7 +252,7 @@ async def test_sessions_are_kept_apart_per_adapter(vlm, hf_reference, tiny_model
 def test_close_sessions_lets_the_engine_be_driven_directly(vlm):
     from vllm import SamplingParams, TokensPrompt
 
-    vlm.next_token_logprobs_sync(contexts_of([6], seed=39)[0])
+    vlm.next_token_logprobs_sync(prompts_of([6], seed=39)[0])
     assert vlm.close_sessions() >= 1
     llm = vlm.underlying_model
     out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -266,7 +261,7 @@ def test_close_sessions_lets_the_engine_be_driven_directly(vlm):
 
 async def test_sessions_off_gives_the_same_rows(vlm, hf_reference):
     vlm.set_sessions(False)
-    contexts = contexts_of([5, 9], seed=40)
+    contexts = prompts_of([5, 9], seed=40)
     final, rows = await lockstep(vlm, contexts, 2)
     assert sessions(vlm)["num_live"] == 0
     for context, row in zip(final, rows):
@@ -290,7 +285,7 @@ async def test_a_stalled_engine_frees_its_parked_sessions(vlm, hf_reference):
 
     vlm._engine_thread.submit(park_foreign).result()
     try:
-        contexts = contexts_of([6] * 12, seed=41)
+        contexts = prompts_of([6] * 12, seed=41)
         final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 2), timeout=120)
         for context, row in zip(final, rows):
             assert_matches(row, hf_reference("base", context))
@@ -301,7 +296,7 @@ async def test_a_stalled_engine_frees_its_parked_sessions(vlm, hf_reference):
 async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_reference):
     vlm.session_hold_s = 0.05
     try:
-        contexts = contexts_of([5, 8], seed=44)
+        contexts = prompts_of([5, 8], seed=44)
         await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
         await asyncio.sleep(1.0)  # no next batch, no other engine work: the wait times out
         assert {s.state for s in vlm._sessions._sessions.values()} == {"parked"}
@@ -321,7 +316,7 @@ async def test_out_of_memory_in_a_step_of_continued_sessions_retries_them_as_pla
     # requests (in halves), each caller still getting the row of its own context.
     import torch
 
-    contexts = contexts_of([5, 7, 9, 11], seed=45)
+    contexts = prompts_of([5, 7, 9, 11], seed=45)
     final, _ = await lockstep(vlm, contexts, 2)  # every session is held after this
     engine = vlm.underlying_model.llm_engine
     original, calls = engine.step, []
@@ -351,7 +346,7 @@ async def test_a_continued_session_whose_row_never_comes_fails_only_its_caller(v
     # A held session closed by other work between the plan and its step (here: aborted
     # from the engine thread after the plan continued it) fails its caller with an
     # EngineError instead of leaving it hanging; the other continuations get their rows.
-    contexts = contexts_of([5, 8], seed=46)
+    contexts = prompts_of([5, 8], seed=46)
     final, _ = await lockstep(vlm, contexts, 2)
     pool = vlm._sessions
     original_plan, victims = pool.plan, []

@@ -12,21 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import random
 
 import pytest
 import torch
-from vllm_fixtures import ENGINE_OPTS, MAX_MODEL_LEN, assert_matches, cpu_lora
+from vllm_fixtures import ENGINE_OPTS, MAX_MODEL_LEN, assert_matches, cpu_lora, prompts_of
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]
 
-
-def contexts_of(lengths, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ def test_the_model_runner_is_in_another_process(worker_lm):
 async def test_rows_from_a_worker_equal_a_forward_pass(worker_lm, hf_reference):
     # 12 prompts (more than max_num_seqs=8) and one of 300 tokens (chunked prefill over
     # max_num_batched_tokens=256): the batch spans several engine steps.
-    prompts = contexts_of([1, 2, 5, 9, 17, 33, 8, 3, 12, 20, 4, 6, 300], seed=71)
+    prompts = prompts_of([1, 2, 5, 9, 17, 33, 8, 3, 12, 20, 4, 6, 300], seed=71)
     rows = await asyncio.gather(*(worker_lm.next_token_logprobs(p) for p in prompts))
     for prompt, row in zip(prompts, rows):
         assert row.device.type == "cpu"
@@ -61,7 +56,7 @@ async def test_rows_from_a_worker_equal_a_forward_pass(worker_lm, hf_reference):
 async def test_sessions_extend_by_chunks_between_batches(worker_lm, hf_reference):
     """No holds across processes: a session parks after each row and the next batch appends
     its token as a one-token chunk."""
-    contexts = contexts_of([3, 9, 17, 40], seed=72)
+    contexts = prompts_of([3, 9, 17, 40], seed=72)
     before = worker_lm.stats()["sessions"]
     for _ in range(5):
         rows = await asyncio.gather(*(worker_lm.next_token_logprobs(c) for c in contexts))
@@ -75,7 +70,7 @@ async def test_sessions_extend_by_chunks_between_batches(worker_lm, hf_reference
 
 async def test_sampling_beside_rows_in_one_batch(worker_lm, hf_reference):
     """Sampling requests carry no tag: they sample as usual while rows are captured."""
-    prompt, other = contexts_of([7, 11], seed=73)
+    prompt, other = prompts_of([7, 11], seed=73)
     tokens, row = await asyncio.gather(worker_lm.sample(prompt, 4, [], temperature=0.0),
                                        worker_lm.next_token_logprobs(other))
     assert_matches(row, hf_reference("base", other))
@@ -86,7 +81,7 @@ async def test_sampling_beside_rows_in_one_batch(worker_lm, hf_reference):
 
 
 async def test_bad_input_fails_only_its_caller(worker_lm, hf_reference):
-    good = contexts_of([6], seed=74)[0]
+    good = prompts_of([6], seed=74)[0]
     results = await asyncio.gather(worker_lm.next_token_logprobs(good), worker_lm.next_token_logprobs([5, 32000]),
                                    worker_lm.next_token_logprobs([1] * (MAX_MODEL_LEN + 1)), return_exceptions=True)
     assert_matches(results[0], hf_reference("base", good))
@@ -95,7 +90,7 @@ async def test_bad_input_fails_only_its_caller(worker_lm, hf_reference):
 
 @cpu_lora
 def test_an_adapter_in_a_worker_matches_the_merged_model(worker_lm, tiny_model_dirs, hf_reference):
-    prompt = contexts_of([13], seed=75)[0]
+    prompt = prompts_of([13], seed=75)[0]
     worker_lm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
     try:
         assert_matches(worker_lm.next_token_logprobs_sync(prompt, lora_name="ad"), hf_reference("merged", prompt))
@@ -135,7 +130,7 @@ def test_tensor_parallel_rows_equal_a_forward_pass(tiny_model_dirs, hf_reference
 
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("tensor_parallel_size=2 needs two GPUs here")
-    prompts = contexts_of([4, 30, 300], seed=76)
+    prompts = prompts_of([4, 30, 300], seed=76)
     opts = {k: v for k, v in ENGINE_OPTS.items() if "lora" not in k}
     opts.update(tensor_parallel_size=2, distributed_executor_backend="mp")
     env = dict(os.environ)

@@ -12,6 +12,7 @@ Engines take 5-15 s to start on two cores, so every test module shares the engin
 from __future__ import annotations
 
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -51,6 +52,12 @@ ROW_ATOL = 2e-2 if ON_GPU else 1e-4
 # vLLM's CUDA LoRA kernels take fp16/bf16 weights only (``lora/ops/triton_ops``, 0.26 and
 # 0.32); the LoRA tests compare an fp32 model against its merged twin, so they run on CPU.
 cpu_lora = pytest.mark.skipif(ON_GPU, reason="vLLM's CUDA LoRA kernels refuse fp32 weights")
+
+
+def prompts_of(lengths, seed=0) -> list[list[int]]:
+    """Random prompts of the given lengths over the tiny model's ids (above the special ones)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
 
 
 def assert_matches(row, reference, atol: float = ROW_ATOL) -> None:
