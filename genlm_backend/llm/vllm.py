@@ -70,8 +70,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
     Build it with :meth:`from_name`. Rows are fp32 log-softmax over the model's whole
     output vocabulary (``[V]``), on the device vLLM runs on (on the CPU where its workers
     are other processes); they equal a plain forward pass of the same weights up to the
-    engine's kernels. Identical prompts queued together
-    are evaluated once; with ``cache_size > 0`` rows are cached per (prompt, adapter).
+    engine's kernels. Identical prompts queued together are evaluated once; with
+    ``cache_size > 0`` rows are cached per (prompt, adapter).
 
     Args:
         llm: a ``vllm.LLM`` built with ``logits_processors=[LogprobsCaptureProcessor]``

@@ -156,13 +156,8 @@ class CaptureSink:
         """One step of the processor: ``rows`` maps a row index to ``(sink token, tag, output
         ids)`` (only this sink's rows unless ``mine_only``); returns the ``(index, token)``
         pairs to force, sorted by index."""
-        me = self.token
-        if self.discarded is None:  # finality unknown: the last row written before the output wins
-            final = [(i, tag) for i, (sink, tag, out) in rows.items() if not out and (not mine_only or sink == me)]
-        else:
-            partial = self.discarded(logits.shape[0]).tolist()
-            final = [(i, tag) for i, (sink, tag, _) in rows.items() if not partial[i] and (not mine_only or sink == me)]
-        final.sort()
+        # Finality unknown (no mask): the last row written before the output wins.
+        final = _final_rows(rows, self.discarded, logits.shape[0], self.token if mine_only else None)
         followers, targets, slots = self._followers, self._targets, self._rows
         wanted = [(i, tag) for i, tag in final if tag in followers or tag in targets or tag in slots]
         if wanted:
@@ -266,11 +261,7 @@ class RemoteRows:
 
     def capture(self, logits: torch.Tensor, rows: dict[int, tuple[str, int, list[int]]], token: str,
                 staging: _Staging) -> None:
-        if self.discarded is None:  # finality unknown: rows before the first output token
-            final = sorted((i, tag) for i, (sink, tag, out) in rows.items() if sink == token and not out)
-        else:
-            partial = self.discarded(logits.shape[0]).tolist()
-            final = sorted((i, tag) for i, (sink, tag, _) in rows.items() if sink == token and not partial[i])
+        final = _final_rows(rows, self.discarded, logits.shape[0], token)
         if not final:
             return
         with torch.inference_mode(False), torch.no_grad():
@@ -430,6 +421,22 @@ class _Staging:
         out.copy_(self.host[:n], non_blocking=True)
         self.copied.record()
         return out
+
+
+def _final_rows(rows: dict[int, tuple[str, int, list[int]]], discarded: Callable[[int], Any] | None,
+                num_rows: int, sink_token: str | None) -> list[tuple[int, int]]:
+    """The ``(index, tag)`` pairs of this step's final rows (of ``sink_token``'s requests
+    only, unless None), sorted by index: rows that are no partial prefill by the runner's
+    mask (``discarded``), or, without a mask, rows whose request has no output token yet."""
+    if discarded is None:
+        final = [(i, tag) for i, (sink, tag, out) in rows.items()
+                 if not out and (sink_token is None or sink == sink_token)]
+    else:
+        partial = discarded(num_rows).tolist()
+        final = [(i, tag) for i, (sink, tag, _) in rows.items()
+                 if not partial[i] and (sink_token is None or sink == sink_token)]
+    final.sort()
+    return final
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int], staging: _Staging) -> torch.Tensor:
