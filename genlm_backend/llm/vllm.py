@@ -6,7 +6,9 @@ request (or a chunk of a live session, :mod:`.vllm_sessions`) whose
 (:mod:`.vllm_capture`) maps batch rows to tags from vLLM's batch updates and hands the fp32
 log-softmax of each request's final row to its caller inside the engine step that computed
 it, also when vLLM spreads the batch over several steps (chunked prefill, more prompts than
-``max_num_seqs``). Sampling requests carry no tag and pay nothing for it.
+``max_num_seqs``). Sampling requests carry no tag and pay nothing for it. vLLM refuses logits
+processors alongside speculative decoding: such an engine lists every token's log-probability
+instead (``logprobs=-1``), and its rows are built on the CPU from that list.
 
 Lockstep sampling: once every row of a batch is out, the step waits (briefly; any other
 engine work ends the wait) for the next batch. Requests that extend a session's context by
@@ -79,6 +81,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Its workers may be other processes
             (``tensor_parallel_size > 1``): rows then come back with each step's output, on
             the CPU, and sessions are parked between batches instead of held.
+            With speculative decoding vLLM takes no logits processor: pass
+            ``can_capture=False`` and start the engine with ``max_logprobs=-1``; rows are
+            then vLLM's own full list of log-probabilities, on the CPU, without sessions.
         cache_size, cache_opts, batch_size, timeout, flush: see
             :class:`~genlm_backend.llm.base.AsyncLM`. ``batch_size`` bounds log-probability
             batches; sampling requests go to the engine up to ``max(batch_size, 1024)`` at
@@ -125,6 +130,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         # A log-probability job's row, where it is taken when its request finishes.
         self._runner.default_convert = lambda job, output: self._sink.take(job.tag)
         self._can_capture = can_capture
+        # Without the capture processor (speculative decoding), vLLM lists every token.
+        self._listing_refusal = None if can_capture else _listing_refusal(self._model_config, self._vocab_size)
         self._lora_requests: dict[str, Any] = {}
         engine = llm.llm_engine
         self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs) - 1
@@ -136,7 +143,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         # with each step's output; they are taken when their requests finish.
         self._remote_rows = can_capture and vllm_internals.install_remote_capture(llm, vllm_capture.deliver_remote)
         self._holds = (
-            self._sink.discarded is not None
+            can_capture
+            and self._sink.discarded is not None
             and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
         )
         # A step whose every row is a held session continued by the next batch takes the
@@ -153,6 +161,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         self._held_params = vllm.SamplingParams(
             max_tokens=self._model_config.max_model_len, ignore_eos=True, temperature=0.0,
             detokenize=False, **vllm_internals.NO_DEEP_COPY,
+        )
+        self._listed_params = vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, logprobs=-1, **_FLAT_LOGPROBS,
+            **vllm_internals.NO_DEEP_COPY,
         )
         self._sessions = SessionPool(
             self._runner.abort, 0, session_idle_batches, park=self._park if self._holds else None,
@@ -190,8 +202,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
                 ``tensor_parallel_size``, ``max_num_seqs``, ``enforce_eager``,
                 ``quantization``, ``max_model_len``, ``max_num_batched_tokens``,
                 ``enable_chunked_prefill``, ``enable_lora``, ``speculative_config``.
-                vLLM refuses custom logits processors with speculative decoding: such a
-                model samples, but its log-probability calls raise ``EngineError``.
+                vLLM refuses custom logits processors with speculative decoding: such an
+                engine is started with ``max_logprobs=-1`` (unless given) and its rows are
+                vLLM's list of every token's log-probability, built on the CPU (slower:
+                see the README).
             **kwargs: constructor arguments (``cache_size``, ``batch_size``, ...).
         """
         _require_vllm()
@@ -200,6 +214,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         if can_capture:
             opts["logits_processors"] = [*(opts.get("logits_processors") or []), vllm_capture.LogprobsCaptureProcessor]
             vllm_internals.prefer_v1_model_runner()  # the runner our processor is written for
+        else:  # rows from vLLM's list of every token's log-probability
+            opts.setdefault("max_logprobs", -1)
         vllm_internals.prefer_spawned_workers(opts)
         llm = vllm.LLM(model=model_name, **opts)
         return cls(llm, can_capture=can_capture, **kwargs)
@@ -225,12 +241,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
 
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Any:
         """On the event loop: hands the batch to the engine thread; returns a future of its rows."""
-        if not self._can_capture:
-            return [
-                EngineError("full-vocabulary log-probabilities need the capture logits processor, "
-                            "which vLLM refuses with speculative decoding")
-                for _ in requests
-            ]
+        if self._listing_refusal is not None:
+            return [EngineError(self._listing_refusal) for _ in requests]
         batch = RowBatch(asyncio.get_running_loop(), len(requests), deferred=self._holds)
         # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
         # runs inside it and decides which sessions continue.
@@ -258,6 +270,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
         sink = self._sink
         lora_request = self._lora_request(request.lora_name)
+        if not self._can_capture:
+            return EngineJob(request.token_ids, copy.copy(self._listed_params), self._listed_row, lora_request,
+                             batch=batch, index=i)
         tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
         params = copy.copy(self._held_params if entry is not None and self._holds else self._plain_params)
         params.extra_args = sink.extra_args(tag)
@@ -272,6 +287,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         if sink.discarded is not None and (entry is None or not self._holds):
             sink.expect(tag, job.finish)  # held sessions take their rows themselves
         return job
+
+    def _listed_row(self, output: Any) -> torch.Tensor:
+        """The row of a request that asked vLLM to list every token's log-probability."""
+        return listed_row(output.outputs[0].logprobs, self._vocab_size)
 
     def _run_batch(self, requests: list[LogprobsRequest], plan: list, jobs: list, continued: Any,
                    batch: RowBatch) -> None:
@@ -414,6 +433,39 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             self._engine_thread.submit(vllm_internals.shutdown, llm).result(timeout=60)
         except Exception:  # noqa: BLE001 - the engine thread is gone: shut down here
             vllm_internals.shutdown(llm)
+
+
+def _flat_logprobs() -> dict[str, bool]:
+    """``SamplingParams(flat_logprobs=True)`` where this vLLM has it: a listed row then comes
+    back as two flat lists instead of a dict of one object per token."""
+    return {"flat_logprobs": True} if "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ()) else {}
+
+
+_FLAT_LOGPROBS = _flat_logprobs() if vllm is not None else {}
+
+
+def listed_row(logprobs: Any, vocab_size: int) -> torch.Tensor:
+    """An fp32 ``[vocab_size]`` row from vLLM's log-probabilities of a request's first sampled
+    position: a ``FlatLogprobs`` (flat ``token_ids`` and ``logprobs`` lists, read as they are)
+    or a list of dicts of token id -> ``Logprob``. Tokens left out of the list get ``-inf``."""
+    if hasattr(logprobs, "token_ids"):
+        start, end = logprobs.start_indices[0], logprobs.end_indices[0]
+        ids, values = logprobs.token_ids[start:end], logprobs.logprobs[start:end]
+    else:
+        ids, values = list(logprobs[0]), [entry.logprob for entry in logprobs[0].values()]
+    row = torch.full((vocab_size,), float("-inf"), dtype=torch.float32)
+    row[torch.tensor(ids, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
+    return row
+
+
+def _listing_refusal(model_config: Any, vocab_size: int) -> str | None:
+    """Why this engine cannot list every token's log-probability, or None if it can."""
+    limit = int(model_config.max_logprobs)
+    if limit == -1 or limit >= vocab_size:
+        return None
+    return (f"full-vocabulary log-probabilities without the capture logits processor (speculative "
+            f"decoding) need vLLM to list all {vocab_size} tokens, but this engine allows "
+            f"max_logprobs={limit}: start it with max_logprobs=-1 (from_name does)")
 
 
 def _hf_tokenizer(llm: Any) -> Any:
