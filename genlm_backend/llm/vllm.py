@@ -8,7 +8,7 @@ log-softmax of each request's final row to its caller inside the engine step tha
 it, also when vLLM spreads the batch over several steps (chunked prefill, more prompts than
 ``max_num_seqs``). Sampling requests carry no tag and pay nothing for it. vLLM refuses logits
 processors alongside speculative decoding: such an engine lists every token's log-probability
-instead (``logprobs=-1``), and its rows are built on the CPU from that list.
+instead (``logprobs=-1``), and the rows are taken from the step's output on the CPU.
 
 Lockstep sampling: once every row of a batch is out, the step waits (briefly; any other
 engine work ends the wait) for the next batch. Requests that extend a session's context by
@@ -83,7 +83,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             the CPU, and sessions are parked between batches instead of held.
             With speculative decoding vLLM takes no logits processor: pass
             ``can_capture=False`` and start the engine with ``max_logprobs=-1``; rows are
-            then vLLM's own full list of log-probabilities, on the CPU, without sessions.
+            then vLLM's own list of every token's log-probability, on the CPU, without
+            sessions.
         cache_size, cache_opts, batch_size, timeout, flush: see
             :class:`~genlm_backend.llm.base.AsyncLM`. ``batch_size`` bounds log-probability
             batches; sampling requests go to the engine up to ``max(batch_size, 1024)`` at
@@ -130,8 +131,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         # A log-probability job's row, where it is taken when its request finishes.
         self._runner.default_convert = lambda job, output: self._sink.take(job.tag)
         self._can_capture = can_capture
-        # Without the capture processor (speculative decoding), vLLM lists every token.
-        self._listing_refusal = None if can_capture else _listing_refusal(self._model_config, self._vocab_size)
+        # Without the capture processor (speculative decoding), vLLM lists every token's
+        # log-probability and the rows are taken from the step's output.
+        self._listing_refusal = None if can_capture else self._install_listing(llm.llm_engine)
         self._lora_requests: dict[str, Any] = {}
         engine = llm.llm_engine
         self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs) - 1
@@ -153,18 +155,16 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             vllm_internals.install_forced_sampling(engine, vllm_capture.ForcedSampling()) if self._holds else None
         )
         self.session_hold_s = float(session_hold_s)
-        # Log-probability requests take one greedy token; a held session runs until parked
+        # Log-probability requests take one greedy token (without the capture processor they
+        # ask vLLM to list every token's log-probability); a held session runs until parked
         # (and stops by itself at max_model_len).
         self._plain_params = vllm.SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False, **vllm_internals.NO_DEEP_COPY
+            max_tokens=1, temperature=0.0, detokenize=False, logprobs=None if can_capture else -1,
+            **vllm_internals.NO_DEEP_COPY,
         )
         self._held_params = vllm.SamplingParams(
             max_tokens=self._model_config.max_model_len, ignore_eos=True, temperature=0.0,
             detokenize=False, **vllm_internals.NO_DEEP_COPY,
-        )
-        self._listed_params = vllm.SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False, logprobs=-1, **_FLAT_LOGPROBS,
-            **vllm_internals.NO_DEEP_COPY,
         )
         self._sessions = SessionPool(
             self._runner.abort, 0, session_idle_batches, park=self._park if self._holds else None,
@@ -204,8 +204,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
                 ``enable_chunked_prefill``, ``enable_lora``, ``speculative_config``.
                 vLLM refuses custom logits processors with speculative decoding: such an
                 engine is started with ``max_logprobs=-1`` (unless given) and its rows are
-                vLLM's list of every token's log-probability, built on the CPU (slower:
-                see the README).
+                vLLM's list of every token's log-probability, on the CPU (slower: see the
+                README).
             **kwargs: constructor arguments (``cache_size``, ``batch_size``, ...).
         """
         _require_vllm()
@@ -270,9 +270,6 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
         sink = self._sink
         lora_request = self._lora_request(request.lora_name)
-        if not self._can_capture:
-            return EngineJob(request.token_ids, copy.copy(self._listed_params), self._listed_row, lora_request,
-                             batch=batch, index=i)
         tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
         params = copy.copy(self._held_params if entry is not None and self._holds else self._plain_params)
         params.extra_args = sink.extra_args(tag)
@@ -288,9 +285,23 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             sink.expect(tag, job.finish)  # held sessions take their rows themselves
         return job
 
-    def _listed_row(self, output: Any) -> torch.Tensor:
-        """The row of a request that asked vLLM to list every token's log-probability."""
-        return listed_row(output.outputs[0].logprobs, self._vocab_size)
+    def _install_listing(self, engine: Any) -> str | None:
+        """Takes the listed rows from this engine's step outputs; returns why it cannot, or None."""
+        refusal = listing_refusal(self._model_config.max_logprobs, self._vocab_size)
+        if refusal is not None:
+            return refusal
+        if not vllm_internals.install_listed_rows(engine, vllm_capture.CAPTURE_KEY, self._receive_listed):
+            return (f"this vLLM's output processor differs from the checked versions {vllm_internals.CHECKED_VERSIONS}: "
+                    "full-vocabulary log-probabilities need the capture logits processor here")
+        return None
+
+    def _receive_listed(self, mark: Any, token_ids: Any, logprobs: Any) -> None:
+        """A row vLLM listed (token ids and their log-probabilities) for one of our requests."""
+        token, tag = mark
+        if token == self._sink.token:
+            row = torch.full((self._vocab_size,), float("-inf"), dtype=torch.float32)
+            row[torch.from_numpy(token_ids).long()] = torch.from_numpy(logprobs).float()
+            self._sink.receive(tag, row)
 
     def _run_batch(self, requests: list[LogprobsRequest], plan: list, jobs: list, continued: Any,
                    batch: RowBatch) -> None:
@@ -435,37 +446,14 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             vllm_internals.shutdown(llm)
 
 
-def _flat_logprobs() -> dict[str, bool]:
-    """``SamplingParams(flat_logprobs=True)`` where this vLLM has it: a listed row then comes
-    back as two flat lists instead of a dict of one object per token."""
-    return {"flat_logprobs": True} if "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ()) else {}
-
-
-_FLAT_LOGPROBS = _flat_logprobs() if vllm is not None else {}
-
-
-def listed_row(logprobs: Any, vocab_size: int) -> torch.Tensor:
-    """An fp32 ``[vocab_size]`` row from vLLM's log-probabilities of a request's first sampled
-    position: a ``FlatLogprobs`` (flat ``token_ids`` and ``logprobs`` lists, read as they are)
-    or a list of dicts of token id -> ``Logprob``. Tokens left out of the list get ``-inf``."""
-    if hasattr(logprobs, "token_ids"):
-        start, end = logprobs.start_indices[0], logprobs.end_indices[0]
-        ids, values = logprobs.token_ids[start:end], logprobs.logprobs[start:end]
-    else:
-        ids, values = list(logprobs[0]), [entry.logprob for entry in logprobs[0].values()]
-    row = torch.full((vocab_size,), float("-inf"), dtype=torch.float32)
-    row[torch.tensor(ids, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
-    return row
-
-
-def _listing_refusal(model_config: Any, vocab_size: int) -> str | None:
-    """Why this engine cannot list every token's log-probability, or None if it can."""
-    limit = int(model_config.max_logprobs)
-    if limit == -1 or limit >= vocab_size:
+def listing_refusal(max_logprobs: int, vocab_size: int) -> str | None:
+    """Why an engine that allows ``max_logprobs`` cannot list all ``vocab_size`` tokens'
+    log-probabilities, or None if it can (-1: the whole vocabulary)."""
+    if max_logprobs == -1 or max_logprobs >= vocab_size:
         return None
     return (f"full-vocabulary log-probabilities without the capture logits processor (speculative "
             f"decoding) need vLLM to list all {vocab_size} tokens, but this engine allows "
-            f"max_logprobs={limit}: start it with max_logprobs=-1 (from_name does)")
+            f"max_logprobs={max_logprobs}: start it with max_logprobs=-1 (from_name does)")
 
 
 def _hf_tokenizer(llm: Any) -> Any:

@@ -194,6 +194,83 @@ def test_the_worker_calls_remote_capture_relies_on_are_where_it_expects():
     assert dataclasses.is_dataclass(ModelRunnerOutput) and not hasattr(ModelRunnerOutput, "__slots__")
 
 
+def test_listed_rows_are_taken_from_marked_outputs_before_vllm_lists_them():
+    """Marked requests' first listed row goes to ``deliver`` and leaves the output (vLLM then
+    builds no Python lists for it); unmarked requests and steps without lists pass untouched;
+    marks of requests that left without a token do not pile up."""
+    import numpy as np
+    from vllm.v1.outputs import LogprobsLists
+
+    from genlm_backend.llm import vllm_internals
+
+    seen: list[list[str]] = []
+
+    class Processor:
+        def __init__(self):
+            self.request_states: dict[str, object] = {}
+
+        def add_request(self, request, prompt, parent_req=None, request_index=0):
+            self.request_states[request.request_id] = object()
+
+        def process_outputs(self, outputs, engine_core_timestamp=None, iteration_stats=None):
+            seen.append([o.request_id for o in outputs if o.new_logprobs is not None])
+            return "processed"
+
+    def request(request_id, extra_args):
+        return types.SimpleNamespace(request_id=request_id, sampling_params=types.SimpleNamespace(extra_args=extra_args))
+
+    def lists(ids, values):
+        return LogprobsLists(np.array(ids, dtype=np.int32), np.array(values, dtype=np.float32), np.zeros(len(ids)))
+
+    engine = types.SimpleNamespace(output_processor=Processor())
+    got = []
+    assert vllm_internals.install_listed_rows(engine, "mark", lambda *args: got.append(args))
+    processor = engine.output_processor
+    processor.add_request(request("a-1", {"mark": ["sink", 7]}), None)
+    processor.add_request(request("b-2", None), None)
+    processor.add_request(request("c-3", {"mark": ["sink", 8]}), None)
+    outputs = [types.SimpleNamespace(request_id="a-1", new_logprobs=lists([[2, 2, 0], [1, 1, 1]], [[-1.0, -1.0, -2.0], [0, 0, 0]])),
+               types.SimpleNamespace(request_id="b-2", new_logprobs=lists([[3]], [[-0.5]])),
+               types.SimpleNamespace(request_id="c-3", new_logprobs=None)]  # a partial prefill
+    assert processor.process_outputs(outputs, 1.0, iteration_stats=None) == "processed"
+    assert seen == [["b-2"]] and outputs[0].new_logprobs is None
+    (mark, ids, values), = got
+    assert mark == ["sink", 7] and ids.tolist() == [2, 2, 0] and values.tolist() == [-1.0, -1.0, -2.0]
+    outputs = [types.SimpleNamespace(request_id="c-3", new_logprobs=lists([[4]], [[-0.25]]))]
+    processor.process_outputs(outputs)
+    assert got[-1][0] == ["sink", 8] and got[-1][1].tolist() == [4]
+    # Marked requests aborted before their first token: forgotten once they pile up.
+    for i in range(200):
+        processor.add_request(request(f"gone-{i}", {"mark": ["sink", i]}), None)
+        del processor.request_states[f"gone-{i}"]
+    processor.add_request(request("live-1", {"mark": ["sink", 999]}), None)
+    processor.process_outputs([])
+    processor.process_outputs([types.SimpleNamespace(request_id="live-1", new_logprobs=lists([[5]], [[0.0]]))])
+    assert got[-1][0] == ["sink", 999] and len(got) == 3
+    stale = types.SimpleNamespace(request_id="gone-5", new_logprobs=lists([[6]], [[0.0]]))
+    processor.process_outputs([stale])
+    assert len(got) == 3 and stale.new_logprobs is not None  # its mark was forgotten
+
+
+def test_the_output_calls_listed_rows_relies_on_are_where_it_expects():
+    """The engine hands each request to ``output_processor.add_request`` and each step's
+    outputs to ``output_processor.process_outputs``; step outputs carry ``new_logprobs``, a
+    ``LogprobsLists`` of NumPy arrays that the per-request processor skips when it is None."""
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    assert "self.output_processor.add_request(" in inspect.getsource(LLMEngine.add_request)
+    assert "self.output_processor.process_outputs(" in inspect.getsource(LLMEngine.step)
+    assert list(inspect.signature(OutputProcessor.add_request).parameters)[1] == "request"
+    assert list(inspect.signature(OutputProcessor.process_outputs).parameters)[1] == "engine_core_outputs"
+    assert "new_logprobs" in EngineCoreOutput.__struct_fields__
+    assert LogprobsLists._fields[:2] == ("logprob_token_ids", "logprobs")
+    assert "if output.new_logprobs is not None:" in inspect.getsource(LogprobsProcessor.update_from_output)
+
+
 def test_prefer_spawned_workers_only_for_worker_processes(monkeypatch):
     from genlm_backend.llm import vllm_internals
 
