@@ -227,7 +227,7 @@ def measure(
         lm.cleanup()
     wall, floor_summary = summarise(wall_times), summarise(floor_times)
     vocab = model.get_output_embeddings().weight.shape[0]
-    stored = torch.randn(min(num_particles, 64), vocab, device=args.device).log_softmax(-1)
+    stored = torch.randn(num_particles, vocab, device=args.device).log_softmax(-1)
     sample_s = statistics.median(
         time_draws(stored, num_particles, args.steps, args.seed, args.sampler) for _ in range(2)
     )

@@ -61,8 +61,10 @@ def sample_rows(logprobs: torch.Tensor, generator: torch.Generator, sampler: str
 
 def time_draws(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int, sampler: str) -> float:
     """Seconds for N*T one-row draws as W1's particles make them (each ending in a host
-    sync; with ``batched``, T batches of N awaited draws), on the stored ``rows [R, V]``: a
-    cost of the workload's sampling, not of a backend."""
+    sync; with ``batched``, T batches of N awaited draws), on the stored ``rows [R, V]``
+    (R >= N: particles sharing a row would draw it twice, which the pre-drawing sampler
+    does through its slower batched path): a cost of the workload's sampling, not of a
+    backend."""
     if sampler in ("batched", "predraw"):
         return _time_batched_draws(rows, num_particles, num_steps, seed, sampler)
     generator = torch.Generator(device=rows.device).manual_seed(seed)
@@ -81,6 +83,9 @@ def _time_batched_draws(rows: torch.Tensor, num_particles: int, num_steps: int, 
 
     async def steps() -> None:
         for _ in range(num_steps):
+            # Each step's rows are a new block, as a model's step makes one (the version bump
+            # makes the pre-drawing sampler draw the block afresh instead of falling back).
+            rows[:1, :1].add_(0.0)
             await asyncio.gather(*(draws.draw(row) for row in picked))
 
     if rows.is_cuda:
