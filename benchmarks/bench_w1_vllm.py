@@ -161,6 +161,8 @@ def run(args: argparse.Namespace) -> dict:
 
         variants = {"on": [("ours", ours)], "off": [("nosess", nosess)],
                     "both": [("ours", ours), ("nosess", nosess)]}[args.sessions] + [("floor", floor)]
+        if args.ab_switch_interval:  # ours again, with the GIL handed over more often
+            variants.insert(1, ("ours_si", with_switch_interval(args.ab_switch_interval, ours)))
         if plain is not None:
             variants.append(("vllm_floor", vllm_floor))
         times = {name: [] for name, _ in variants}
@@ -206,6 +208,20 @@ def run(args: argparse.Namespace) -> dict:
         config["vllm_floor_async_scheduling"] = plain.async_scheduling
         plain.close()
     return {"config": config, "rows": rows, "stats": stats}
+
+
+def with_switch_interval(seconds: float, fn):
+    """``fn`` run with ``sys.setswitchinterval(seconds)`` (restored after): how long a thread
+    that wants the GIL waits for one that holds it."""
+    def run() -> None:
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(seconds)
+        try:
+            fn()
+        finally:
+            sys.setswitchinterval(previous)
+
+    return run
 
 
 def parse_opts(items: list[str]) -> dict:
@@ -316,6 +332,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "async_scheduling=false")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() after the model is built (as vLLM does at engine start)")
+    parser.add_argument("--ab-switch-interval", type=float, default=None, metavar="S",
+                        help="also time ours with sys.setswitchinterval(S) (variant ours_si; the default is "
+                             "5 ms: a thread waiting for the GIL, the engine's or the event loop's, may wait "
+                             "that long)")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.steps is None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_w1_vllm import FloorProcess, model_for, parse_args, parse_opts  # noqa: E402
+from benchmarks.bench_w1_vllm import FloorProcess, model_for, parse_args, parse_opts, with_switch_interval  # noqa: E402
 from benchmarks.common import print_table, summarise, write_json  # noqa: E402
 
 
@@ -161,6 +161,8 @@ def main() -> None:
                 assert all(len(t) == args.steps for t in tokens)
 
             variants = {"proto": proto, "floor": floor}
+            if args.ab_switch_interval:
+                variants["proto_si"] = with_switch_interval(args.ab_switch_interval, proto)
             if plain is not None:
                 variants["vllm_floor"] = lambda n=n: plain.generate(n)
             times = {name: [] for name in variants}
@@ -175,17 +177,22 @@ def main() -> None:
             row = {"N": n, "T": args.steps, "proto_s": summary["proto"]["median_s"],
                    "floor_s": summary["floor"]["median_s"],
                    "ratio": statistics.median(p / f for p, f in zip(times["proto"], times["floor"])), **summary}
+            if args.ab_switch_interval:
+                row["proto_si_s"] = summary["proto_si"]["median_s"]
             if plain is not None:
                 row["floor_vllm_s"] = summary["vllm_floor"]["median_s"]
                 row["ratio_vllm"] = row["proto_s"] / row["floor_vllm_s"]
-            print(f"N={n}: proto {row['proto_s']:.4f} s, floor {row['floor_s']:.4f} s, ratio {row['ratio']:.3f}"
-                  + (f", ratio_vllm {row['ratio_vllm']:.3f}" if plain is not None else ""), flush=True)
+                if args.ab_switch_interval:
+                    row["ratio_vllm_si"] = row["proto_si_s"] / row["floor_vllm_s"]
+            print(f"N={n}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k.endswith("_s") or "ratio" in k),
+                  flush=True)
             results.append(row)
     finally:
         if plain is not None:
             plain.close()
         lm.cleanup()
-    columns = ["N", "T", "proto_s", "floor_s", "ratio"] + (["floor_vllm_s", "ratio_vllm"] if plain is not None else [])
+    columns = [c for c in ("N", "T", "proto_s", "proto_si_s", "floor_s", "ratio", "floor_vllm_s", "ratio_vllm",
+                           "ratio_vllm_si") if c in results[0]]
     print(f"async_scheduling={scheduler_config.async_scheduling}")
     print_table(results, columns)
     name = "proto_freerun_gpu" if args.gpu else "proto_freerun_cpu"
