@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_w1_vllm import lockstep_smc, model_for, parse_args  # noqa: E402
+from benchmarks.bench_w1_vllm import decode_loop, lockstep_smc, model_for, parse_args  # noqa: E402
 from genlm_backend.llm import vllm_capture  # noqa: E402
 from genlm_backend.llm.vllm_capture import CaptureSink  # noqa: E402
 
@@ -100,8 +100,6 @@ def timed(force, key):
 def main():
     args = parse_args(sys.argv[1:])
     steps, plen = args.steps or 32, args.prompt_len or 128
-    from vllm import SamplingParams, TokensPrompt
-
     from genlm_backend.llm.vllm import AsyncVirtualLM
     model_dir, opts = model_for(args)
     opts["seed"] = args.seed
@@ -127,8 +125,7 @@ def main():
                 vllm_capture.force_tokens, CaptureSink.capture = NEW_FORCE, NEW_CAPTURE
         def floor():
             lm.close_sessions()
-            params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
-            lm.underlying_model.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+            decode_loop(lm.underlying_model, prompt, n, steps)
         variants = {"old": lambda: ours("old"), "new": lambda: ours("new"), "floor": floor}
         for fn in variants.values():
             fn()

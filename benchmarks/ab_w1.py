@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_w1_vllm import lockstep_smc, model_for, parse_args  # noqa: E402
+from benchmarks.bench_w1_vllm import decode_loop, lockstep_smc, model_for, parse_args  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from genlm_backend.llm import prompts  # noqa: E402
 
@@ -43,7 +43,6 @@ def main() -> None:
         sys.exit("the compiled prompt kernel is not built: run `pip install --no-deps -e .` first")
     steps = args.steps or (32 if args.gpu else 8)
     prompt_len = args.prompt_len or (128 if args.gpu else 32)
-    from vllm import SamplingParams, TokensPrompt
 
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
@@ -69,8 +68,7 @@ def main() -> None:
                         lm._forcing.enabled = True
 
             def floor() -> None:
-                params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
-                lm.underlying_model.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+                decode_loop(lm.underlying_model, prompt, n, steps)
 
             on, off = ("kernel", "python") if args.ab == "prompts" else ("skip", "logits")
             variants = {on: lambda: ours(True), off: lambda: ours(False), "floor": floor}

@@ -113,8 +113,6 @@ def model_for(args: argparse.Namespace) -> tuple[Path, dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from vllm import SamplingParams, TokensPrompt
-
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     model_dir, engine_opts = model_for(args)
@@ -123,14 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     max_n = max(args.particles)
     rng, vocab = random.Random(args.seed), vocab_size(model_dir)
     prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
-    plain = None
-    if args.vllm_floor:  # started first, so that ours still finds its share of the device free
-        plain_opts = {**engine_opts, "enable_prefix_caching": True, "disable_log_stats": True}
-        plain_opts.pop("async_scheduling", None)  # vLLM's own choice (on where it can be)
-        if args.gpu:
-            plain_opts["gpu_memory_utilization"] = args.vllm_floor
-        plain_opts.update(parse_opts(args.vllm_floor_opt))
-        plain = FloorProcess(model_dir, plain_opts, prompt, args.steps)
+    plain = start_plain_floor(args, model_dir, engine_opts, prompt)  # first: ours then finds its share free
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n)
     if args.gc_freeze:  # what vLLM does at engine start, once more after the backend's own setup
         gc.collect()
@@ -153,8 +144,7 @@ def run(args: argparse.Namespace) -> dict:
                 lm.set_sessions(True)
 
         def floor() -> None:
-            params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
-            llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+            decode_loop(llm, prompt, n, args.steps)
 
         def vllm_floor() -> None:
             plain.generate(n)
@@ -236,6 +226,29 @@ def parse_opts(items: list[str]) -> dict:
     return opts
 
 
+def decode_loop(llm, prompt: list[int], num_requests: int, steps: int) -> None:
+    """vLLM's own decode loop over W1's forward passes: ``num_requests`` copies of ``prompt``,
+    ``steps`` tokens each at temperature 1, no end of sequence."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=prompt)] * num_requests, params, use_tqdm=False)
+
+
+def start_plain_floor(args: argparse.Namespace, model_dir: Path, engine_opts: dict,
+                      prompt: list[int]) -> FloorProcess | None:
+    """The floor of record (``--vllm-floor``): a plain engine with the workload's options and
+    vLLM's own defaults otherwise, in a child process; None when it is left out."""
+    if not args.vllm_floor:
+        return None
+    plain_opts = {**engine_opts, "enable_prefix_caching": True, "disable_log_stats": True}
+    plain_opts.pop("async_scheduling", None)  # vLLM's own choice (on where it can be)
+    if args.gpu:
+        plain_opts["gpu_memory_utilization"] = args.vllm_floor
+    plain_opts.update(parse_opts(args.vllm_floor_opt))
+    return FloorProcess(model_dir, plain_opts, prompt, args.steps)
+
+
 def vocab_size(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
@@ -273,16 +286,14 @@ class FloorProcess:
 
 def serve_floor(setup: str) -> None:
     """The child of :class:`FloorProcess`: one line in (a particle count), one line out."""
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import LLM
 
     setup = json.loads(setup)
     llm = LLM(setup["model"], **setup["opts"])
-    params = SamplingParams(max_tokens=setup["steps"], ignore_eos=True, temperature=1.0, detokenize=False)
-    prompt = TokensPrompt(prompt_token_ids=setup["prompt"])
     async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     print("@floor", json.dumps({"async_scheduling": async_scheduling}), flush=True)
     for line in sys.stdin:
-        llm.generate([prompt] * int(line), params, use_tqdm=False)
+        decode_loop(llm, setup["prompt"], int(line), setup["steps"])
         print("@floor done", flush=True)
 
 

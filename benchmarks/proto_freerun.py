@@ -37,7 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_w1_vllm import FloorProcess, model_for, parse_args, parse_opts, with_switch_interval  # noqa: E402
+from benchmarks.bench_w1_vllm import (  # noqa: E402
+    decode_loop, model_for, parse_args, parse_opts, start_plain_floor, vocab_size, with_switch_interval,
+)
 from benchmarks.common import print_table, summarise, write_json  # noqa: E402
 
 
@@ -130,31 +132,22 @@ def free_running(lm, prompt: list[int], num_particles: int, num_steps: int, seed
 
 def main() -> None:
     args = parse_args(sys.argv[1:])
-    from vllm import SamplingParams, TokensPrompt
-
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     model_dir, engine_opts = model_for(args)
     engine_opts["seed"] = args.seed
     engine_opts.update(parse_opts(args.engine_opt))
-    rng = random.Random(args.seed)
+    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
+    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    plain = start_plain_floor(args, model_dir, engine_opts, prompt)
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, sessions=False)
-    prompt = [rng.randrange(min(1000, lm.vocab_size // 2), lm.vocab_size) for _ in range(args.prompt_len)]
-    plain = None
-    if args.vllm_floor:
-        plain_opts = {**engine_opts, "enable_prefix_caching": True, "disable_log_stats": True}
-        plain_opts.pop("async_scheduling", None)
-        if args.gpu:
-            plain_opts["gpu_memory_utilization"] = args.vllm_floor
-        plain = FloorProcess(model_dir, plain_opts, prompt, args.steps)
     llm = lm.underlying_model
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
     results = []
     try:
         for n in args.particles:
             def floor(n=n) -> None:
-                params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
-                llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+                decode_loop(llm, prompt, n, args.steps)
 
             def proto(n=n) -> None:
                 tokens = free_running(lm, prompt, n, args.steps, args.seed)
