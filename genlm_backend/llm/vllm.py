@@ -15,6 +15,10 @@ engine work ends the wait) for the next batch. Requests that extend a session's 
 one token continue it: their token is forced as the session's next token, so the next step
 is a plain decode step over the running requests, as in vLLM's own generation loop.
 
+Free-running sessions (``sessions="free"``, :mod:`.vllm_freerun`): vLLM draws each session's
+next token itself and hands it out with the row; a request that extends the context by that
+draw gets the row the engine computed meanwhile, so no step waits for the callers.
+
 Engine work runs on the model's single engine thread: the log-probability batches and the
 sampling batcher share it, so engine calls never overlap.
 """
@@ -38,6 +42,7 @@ try:
 
     from . import vllm_capture, vllm_internals
     from .vllm_engine import Continued, EngineJob, EngineRunner, RowBatch
+    from .vllm_freerun import FREE_KEY, FreeSessions
     from .vllm_sampling import SamplingMixin
     from .vllm_sessions import PlanEntry, Session, SessionPool
 except ImportError as _exc:  # pragma: no cover - exercised only without vllm
@@ -95,11 +100,22 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             live sessions; an int: at most that many; False or 0: every request is a new
             engine request). Live sessions hold engine slots and KV blocks: call
             :meth:`close_sessions` before driving ``underlying_model`` yourself (its
-            ``generate`` waits for every live request).
+            ``generate`` waits for every live request). ``"free"``: free-running sessions
+            (:mod:`.vllm_freerun`): vLLM samples each session's next token at temperature
+            1 and the row carries that draw, which a shared
+            :class:`~genlm_backend.sampling.TokenSampler` hands out as its draw from the
+            row; callers that extend contexts by those draws never wait for a step (best
+            with ``engine_opts={"async_scheduling": True}`` on a GPU). Callers that pick
+            other tokens get the same rows, each from a new engine request.
         session_idle_batches: a session not extended for this many batches is closed.
         session_hold_s: how long the engine keeps the step that produced sessions' rows
             open for the next batch to continue them (see :mod:`.vllm_sessions`); any
             other engine work ends the wait at once.
+        session_max_ahead: a free-running session stops once this many of its rows wait
+            for a request (the engine waits for callers one row ahead of them; more pile up
+            only while other work keeps it stepping).
+        session_lookahead: how many rows a free-running session computes ahead of its
+            requests before the engine waits for them.
     """
 
     def __init__(
@@ -112,9 +128,11 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         timeout: float = 0.02,
         flush: str = "idle",
         can_capture: bool = True,
-        sessions: bool | int = True,
+        sessions: bool | int | str = True,
         session_idle_batches: int = 8,
         session_hold_s: float = 1.0,
+        session_max_ahead: int = 8,
+        session_lookahead: int = 1,
     ):
         _require_vllm()
         tokenizer = _hf_tokenizer(llm)
@@ -173,6 +191,13 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         )
         if self._holds:
             self._sink.on_step = self._on_step
+        self._free = FreeSessions(
+            self._start_free, self._sink.next_tag, self._runner.abort, self._sink.follow, self._sink.unfollow,
+            self._model_config.max_model_len, self._session_slots, lookahead=session_lookahead,
+            max_ahead=session_max_ahead,
+            idle_batches=session_idle_batches,
+        )
+        self._free_on = self._pump_queued = self._tap_installed = False
         self._runner.on_retry = self._on_retry
         self.set_sessions(sessions)
         self._runner.on_stall = self._sessions.free_parked
@@ -244,6 +269,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         """On the event loop: hands the batch to the engine thread; returns a future of its rows."""
         if self._listing_refusal is not None:
             return [EngineError(self._listing_refusal) for _ in requests]
+        if self._free_on:
+            batch = RowBatch(asyncio.get_running_loop(), len(requests))
+            self._engine_thread.submit(self._start_free_batch, requests, batch)
+            return batch.future
         batch = RowBatch(asyncio.get_running_loop(), len(requests), deferred=self._holds)
         # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
         # runs inside it and decides which sessions continue.
@@ -266,6 +295,46 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             batch.fail(exc)
             return
         self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
+
+    def _start_free_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
+        try:
+            self._free.start_batch(requests, batch)
+        except BaseException as exc:  # noqa: BLE001 - fails this batch only
+            batch.fail(exc)
+        self._queue_pump()
+
+    def _start_free(self, session: Any, token_ids: tuple[int, ...], lora_name: str | None) -> None:
+        """Adds a free-running session's engine request: temperature 1 and nothing else that
+        changes vLLM's draw, so the draw is exact for the row handed out with it."""
+        params = vllm.SamplingParams(
+            max_tokens=session.rows_left, ignore_eos=True, temperature=1.0, detokenize=False,
+            **vllm_internals.NO_DEEP_COPY,
+        )
+        params.extra_args = {**self._sink.extra_args(session.tag), FREE_KEY: session.tag}
+        lora_request = self._lora_request(lora_name)
+        try:
+            vllm_internals.add_request(self.llm.llm_engine, session.request_id, token_ids, params, lora_request)
+        except Exception as exc:
+            raise InvalidRequestError(f"vLLM refused the request: {exc}") from exc
+
+    def _queue_pump(self) -> None:
+        if not self._pump_queued and self._free.running:
+            self._pump_queued = True
+            self._engine_thread.submit(self._pump)
+
+    def _pump(self) -> None:
+        """One engine step for the free-running sessions (queued again while they run: the
+        batches that arrive meanwhile start between two steps)."""
+        self._pump_queued = False
+        if self.llm is None or not self._free.wants_step():
+            return  # (the next batch queues it again)
+        try:
+            self._runner.step_alone()
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller hears of it
+            failure = exc
+            self._free.fail_all(lambda: _engine_failed(failure))
+            return
+        self._queue_pump()
 
     def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
@@ -346,13 +415,43 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         if request is None or not vllm_internals.park(llm.llm_engine, request.request_id):
             self._sessions.close(session)
 
-    def set_sessions(self, sessions: bool | int) -> None:
+    def set_sessions(self, sessions: bool | int | str) -> None:
         """Turns engine sessions on (True: up to ``max_num_seqs - 1``; an int: at most that
-        many) or off (False or 0: live ones are closed at once)."""
-        capacity = self._session_slots if sessions is True else min(int(sessions), self._session_slots)
+        many; ``"free"``: free-running sessions) or off (False or 0: live ones are closed
+        at once).
+
+        Raises:
+            ValueError: ``"free"`` on an engine whose rows do not reach this process inside
+                the step that computes them (workers in other processes, speculative
+                decoding), or another string.
+        """
+        free = isinstance(sessions, str)
+        if free and sessions != "free":
+            raise ValueError(f"sessions must be True, False, an int or 'free', got {sessions!r}")
+        if free and not self._can_free_run():
+            raise ValueError("free-running sessions need the capture processor in this process's engine "
+                             "(no speculative decoding, no workers in other processes)")
+        capacity = 0 if free else self._session_slots if sessions is True else min(int(sessions), self._session_slots)
         usable = self._can_capture and vllm_internals.supports_sessions(self.llm.llm_engine)
         capacity = max(capacity, 0) if usable else 0
-        self._engine_thread.submit(self._sessions.resize, capacity).result()
+        self._engine_thread.submit(self._set_sessions, capacity, free).result()
+
+    def _set_sessions(self, capacity: int, free: bool) -> None:
+        self._sessions.resize(capacity)
+        if free:
+            if not self._tap_installed:
+                self._tap_installed = vllm_internals.install_token_tap(
+                    self.llm.llm_engine, FREE_KEY, self._free.tokens, lambda: self._free.running)
+            if not self._tap_installed:
+                raise ValueError("free-running sessions need the scheduler's update_from_output, which this "
+                                 f"vLLM lacks (checked versions: {vllm_internals.CHECKED_VERSIONS})")
+            self._free_on = True
+        else:
+            self._free_on = False
+            self._free.close_all()
+
+    def _can_free_run(self) -> bool:
+        return self._can_capture and self._sink.discarded is not None and not self._remote_rows
 
     def close_sessions(self) -> int:
         """Closes every live engine session (waits for the engine thread); returns how many.
@@ -361,7 +460,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         for the parked sessions forever. Later log-probability requests open new ones.
         """
         self._check_open()
-        return self._engine_thread.submit(self._sessions.close_all).result()
+        return self._engine_thread.submit(lambda: self._sessions.close_all() + self._free.close_all()).result()
 
     def _load_lora(self, lora_name: str, lora_path: str) -> None:
         if not os.path.isdir(lora_path):
@@ -382,6 +481,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         request = self._lora_requests.pop(lora_name, None)
         if request is not None and not self.is_closed:
             self._engine_thread.submit(self._sessions.close_where, lambda s: s.lora_name == lora_name).result()
+            self._engine_thread.submit(self._free.close_where, lambda s: s.lora_name == lora_name).result()
             self._engine_thread.submit(self.llm.llm_engine.remove_lora, request.lora_int_id).result()
 
     def _lora_request(self, lora_name: str | None) -> Any:
@@ -434,9 +534,14 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             "engine": {**self._runner.stats.as_dict(),
                        "num_forced_steps": 0 if self._forcing is None else self._forcing.num_skipped},
             "sessions": self._sessions.stats(),
+            "free_sessions": self._free.stats(),
         }
 
     def _close(self) -> None:
+        try:
+            self._engine_thread.submit(self._free.fail_all, lambda: EngineError("the model was closed")).result(60)
+        except Exception:  # noqa: BLE001, S110 - the engine thread is gone: nobody waits there
+            pass
         self._sample_batcher.close()
         self._sink.close()
         llm, self.llm = self.llm, None
@@ -455,6 +560,12 @@ def listing_refusal(max_logprobs: int, vocab_size: int) -> str | None:
     return (f"full-vocabulary log-probabilities without the capture logits processor (speculative "
             f"decoding) need vLLM to list all {vocab_size} tokens, but this engine allows "
             f"max_logprobs={max_logprobs}: start it with max_logprobs=-1 (from_name does)")
+
+
+def _engine_failed(exc: BaseException) -> EngineError:
+    error = EngineError(f"the engine failed while running free sessions: {exc!r}")
+    error.__cause__ = exc
+    return error
 
 
 def _hf_tokenizer(llm: Any) -> Any:

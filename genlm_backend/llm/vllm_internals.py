@@ -53,6 +53,12 @@ What is relied on:
   loader.py``) and which has none of the runner calls above; ``VLLM_USE_V2_MODEL_RUNNER=0``
   (unless the caller set it) keeps the runner these were checked on. CPU engines use the V1
   runner either way.
+* Each step's sampled tokens (:func:`install_token_tap`, free-running sessions): the
+  scheduler's ``update_from_output(scheduler_output, model_runner_output)`` gets every step's
+  ``ModelRunnerOutput`` (with async scheduling, once its tokens are on the host), whose
+  ``req_id_to_index`` and ``sampled_token_ids`` (one list per row, empty for a partial
+  prefill) give each request's new tokens; ``scheduler.requests`` maps the id to the
+  ``Request`` and its ``sampling_params.extra_args``.
 * ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
   shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
 """
@@ -82,6 +88,7 @@ __all__ = [
     "install_forced_sampling",
     "install_listed_rows",
     "install_remote_capture",
+    "install_token_tap",
     "is_cuda_oom",
     "is_stalled",
     "lora_refusal",
@@ -308,6 +315,37 @@ def install_listed_rows(engine: Any, key: str, deliver: Callable[[Any, Any, Any]
         return process(outputs, *args, **kwargs)
 
     processor.add_request, processor.process_outputs = add_request, process_outputs
+    return True
+
+
+def install_token_tap(engine: Any, key: str, deliver: Callable[[list[tuple[Any, list[int]]]], None],
+                      active: Callable[[], bool]) -> bool:
+    """Hands the tokens each step sampled for requests marked in ``extra_args[key]`` to
+    ``deliver([(mark, tokens), ...])``, on the engine thread, where the scheduler takes them
+    from the model runner's output (before it checks stop conditions), once per step with
+    any. Steps are not looked at while ``active()`` is False. Returns False when the
+    scheduler lacks the call (or has a tap already)."""
+    scheduler = _scheduler(engine)
+    update = getattr(scheduler, "update_from_output", None)
+    requests = getattr(scheduler, "requests", None)
+    if update is None or not isinstance(requests, dict) or getattr(scheduler, "_genlm_token_tap", False):
+        return False
+
+    def update_from_output(scheduler_output: Any, output: Any) -> Any:
+        if active():
+            sampled, found = output.sampled_token_ids, []
+            for request_id, index in output.req_id_to_index.items():
+                request = requests.get(request_id)
+                extra = None if request is None else request.sampling_params.extra_args
+                mark = None if not extra else extra.get(key)
+                if mark is not None and index < len(sampled) and len(sampled[index]):
+                    found.append((mark, [int(t) for t in sampled[index]]))
+            if found:
+                deliver(found)
+        return update(scheduler_output, output)
+
+    scheduler.update_from_output = update_from_output
+    scheduler._genlm_token_tap = True
     return True
 
 

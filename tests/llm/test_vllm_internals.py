@@ -572,3 +572,31 @@ def test_held_sessions_rely_on_the_runner_mask_and_park_with_their_kv(vlm, hf_re
     assert request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
     assert request.num_computed_tokens == len(context)
     assert_matches(vlm.next_token_logprobs_sync(context + [7]), hf_reference("base", context + [7]))
+
+
+def test_the_token_tap_reads_each_steps_tokens_where_the_scheduler_takes_them():
+    """install_token_tap: ``update_from_output(scheduler_output, model_runner_output)`` on the
+    scheduler, ``req_id_to_index`` and one ``sampled_token_ids`` list per row in the output,
+    ``extra_args`` on the scheduler's requests."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from genlm_backend.llm import vllm_internals
+
+    assert list(inspect.signature(Scheduler.update_from_output).parameters)[1:3] == [
+        "scheduler_output", "model_runner_output"]
+    fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    assert {"req_id_to_index", "sampled_token_ids"} <= fields
+
+    mark = types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args={"k": 7}))
+    plain = types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args=None))
+    seen, calls = [], []
+    scheduler = types.SimpleNamespace(requests={"a": mark, "b": plain, "c": mark},
+                                      update_from_output=lambda so, out: calls.append(out) or "done")
+    engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(
+        scheduler=scheduler)))
+    assert vllm_internals.install_token_tap(engine, "k", seen.append, lambda: True)
+    output = types.SimpleNamespace(req_id_to_index={"a": 0, "b": 1, "c": 2}, sampled_token_ids=[[5], [6], []])
+    assert scheduler.update_from_output(None, output) == "done" and calls == [output]
+    assert seen == [[(7, [5])]]  # the marked request with a token; not the partial prefill "c"
+    assert not vllm_internals.install_token_tap(engine, "k", seen.append, lambda: True)  # once

@@ -1,0 +1,260 @@
+"""Free-running sessions: vLLM draws each session's next token itself, so the engine computes
+the row of the extended context while the caller is still looking at the last one.
+
+Held sessions (:mod:`.vllm_sessions`) keep the engine step waiting until the caller's next
+token is known. A *free* session instead is one engine request at temperature 1 that vLLM
+decodes on its own, with its own sampler: every row the capture processor hands out comes
+with the token vLLM drew from that very row (an exact draw from ``softmax(row)``: no
+temperature, top-k, top-p, min-p or penalty applies). The row carries that draw (see
+:func:`genlm_backend.sampling.offer_draw`); a :class:`~genlm_backend.sampling.TokenSampler`
+returns it as the first draw from the row. A request whose context extends the last row's
+context by that token takes the session's next row, which the engine computes without
+waiting for anybody; with vLLM's async scheduling the host work of one step overlaps the
+device's work of the other, as in vLLM's own decode loop.
+
+A request that extends a row's context by any other token (a constrained or resampled
+particle) starts a new session over its whole context (vLLM's prefix cache skips most of
+the prefill); the old one runs out. Flow control: the engine is stepped while some session
+has a request waiting for its next row or fewer than ``lookahead`` rows computed ahead (so
+the engine runs at most about one step ahead of its callers and then waits for them); a
+session whose rows nobody takes while others keep the engine going stops (is aborted) once
+``max_ahead`` of them wait, one unused for ``idle_batches`` batches stops, and one whose
+request ends at the model's length stops there. At most ``capacity`` sessions run; a new one takes the place of the least
+recently used one that nobody waits on, and requests beyond that run as one-row sessions.
+
+Everything here runs on the model's engine thread, inside or between engine steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..sampling import offer_draw
+from .prompts import LogprobsRequest
+
+__all__ = ["FREE_KEY", "FreeSession", "FreeSessions"]
+
+FREE_KEY = "genlm_free"  # extra_args key of a free session's request: its tag
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False, slots=True)
+class FreeSession:
+    """One free-running engine request."""
+
+    request_id: str
+    tag: int
+    lora_name: str | None
+    rows_left: int  # rows the engine request can still produce (the model's length bounds it)
+    captured: collections.deque = field(default_factory=collections.deque)  # rows whose token is not in yet
+    ready: collections.deque = field(default_factory=collections.deque)  # (row, token) nobody took yet
+    waiting: Any = None  # (batch, index, request) that takes the next ready row
+    key: Any = None  # the request that took (or waits for) the last row handed out
+    drawn: int | None = None  # the engine's draw from that row
+    last_used: int = 0
+    closed: bool = False
+
+
+class FreeSessions:
+    """The free-running sessions of one engine.
+
+    Args:
+        start: ``(session, token_ids, lora_name) -> None`` adds the session's engine request
+            (its prompt ``token_ids``, ``max_tokens=session.rows_left``, marked with
+            ``session.tag``); raises if vLLM refuses it.
+        new_tag: ``() -> int``, a fresh capture tag.
+        abort: ``(request_ids) -> None`` aborts engine requests (deferred inside a step).
+        follow, unfollow: the capture sink's: every final row of a tag goes to a target.
+        max_model_len: bounds each session's rows.
+        capacity: the most sessions running at once (below ``max_num_seqs``).
+        lookahead: rows a session may have computed ahead of its requests before it stops
+            asking for engine steps.
+        max_ahead: a session with this many rows nobody took stops.
+        idle_batches: a session no request extended for this many batches stops.
+    """
+
+    def __init__(
+        self,
+        start: Callable[[FreeSession, tuple[int, ...], str | None], None],
+        new_tag: Callable[[], int],
+        abort: Callable[[list[str]], None],
+        follow: Callable[[int, Callable[[torch.Tensor], None]], None],
+        unfollow: Callable[[int], None],
+        max_model_len: int,
+        capacity: int,
+        lookahead: int = 1,
+        max_ahead: int = 4,
+        idle_batches: int = 8,
+    ):
+        self._start, self._new_tag, self._abort = start, new_tag, abort
+        self._follow, self._unfollow = follow, unfollow
+        self.max_model_len = int(max_model_len)
+        self.capacity = max(int(capacity), 1)
+        self.lookahead = max(int(lookahead), 1)
+        self.max_ahead = max(int(max_ahead), self.lookahead + 1)
+        self.idle_batches = max(int(idle_batches), 1)
+        self._by_tag: dict[int, FreeSession] = {}
+        self._batch = 0
+        self.num_opened = self.num_extended = self.num_missed = self.num_closed = self.num_ahead_stops = 0
+
+    def __len__(self) -> int:
+        return len(self._by_tag)
+
+    @property
+    def running(self) -> bool:
+        """Some session's engine request still runs (the engine must be stepped)."""
+        return bool(self._by_tag)
+
+    def wants_step(self) -> bool:
+        """Some session has a request waiting for a row, or room to compute ahead."""
+        lookahead = self.lookahead
+        return any(s.waiting is not None or len(s.ready) + len(s.captured) < lookahead for s in self._by_tag.values())
+
+    def start_batch(self, requests: list[LogprobsRequest], batch: Any) -> None:
+        """Matches each request to the session whose draw it extends (its row is the
+        session's next one) or opens a session for it; rows go to ``batch`` as they come."""
+        self._batch += 1
+        horizon = self._batch - self.idle_batches
+        for session in [s for s in self._by_tag.values() if s.last_used < horizon and s.waiting is None]:
+            self.close(session)
+        opened: list[tuple[int, LogprobsRequest]] = []
+        for i, request in enumerate(requests):
+            parent = request.parent
+            session = None if parent is None else parent.kept
+            if type(session) is FreeSession and not session.closed and session.key is parent:
+                if session.drawn == request.token_ids[-1] and session.waiting is None:
+                    session.key, session.waiting, session.last_used = request, (batch, i, request), self._batch
+                    self.num_extended += 1
+                    self._serve(session)
+                    continue
+                self.num_missed += 1  # another token than the engine's draw: that session is no use now
+            opened.append((i, request))
+        for i, request in opened:
+            self._open(request, batch, i)
+
+    def _open(self, request: LogprobsRequest, batch: Any, i: int) -> None:
+        rows = self.max_model_len - len(request.token_ids)
+        if len(self._by_tag) >= self.capacity and not self._evict():
+            rows = 1  # no room to run on: a one-row session, which then stops by itself
+        session = FreeSession(f"genlm-free-{next(_ids)}", self._new_tag(), request.lora_name, rows, key=request,
+                              waiting=(batch, i, request), last_used=self._batch)
+        try:
+            self._start(session, request.token_ids, request.lora_name)
+        except Exception as exc:  # noqa: BLE001 - vLLM refused this request only
+            batch.set(i, exc)
+            return
+        self._by_tag[session.tag] = session
+        self._follow(session.tag, functools.partial(_captured, session))
+        self.num_opened += 1
+
+    def _evict(self) -> bool:
+        """Closes the least recently used session nobody waits on; False when there is none."""
+        victim = min((s for s in self._by_tag.values() if s.waiting is None), key=lambda s: s.last_used, default=None)
+        if victim is None:
+            return False
+        self.close(victim)
+        return True
+
+    # ---- inside an engine step ------------------------------------------------------------
+
+    def tokens(self, found: list[tuple[Any, list[int]]]) -> None:
+        """The tokens one step sampled, per session tag (the token tap): pairs each with the
+        row captured for it, hands rows to their waiting requests, stops sessions too far
+        ahead or at their end."""
+        for tag, tokens in found:
+            session = self._by_tag.get(tag)
+            if session is None:
+                continue
+            for token in tokens:
+                if not session.captured:  # a token without its row: never seen; not trusted
+                    self._fail(session, RuntimeError("a free session's token came without its row"))
+                    break
+                session.ready.append((session.captured.popleft(), int(token)))
+                session.rows_left -= 1
+            if session.closed:
+                continue
+            self._serve(session)
+            if session.rows_left <= 0 and not session.ready:
+                self.close(session)  # its engine request has ended
+            elif len(session.ready) >= self.max_ahead:
+                self.num_ahead_stops += 1
+                self.close(session)
+
+    def _serve(self, session: FreeSession) -> None:
+        waiting = session.waiting
+        if waiting is None or not session.ready:
+            return
+        session.waiting = None
+        row, token = session.ready.popleft()
+        batch, i, request = waiting
+        offer_draw(row, token)
+        session.drawn = token
+        request.kept = session
+        batch.set(i, row)
+        if session.rows_left <= 0 and not session.ready:
+            self.close(session)
+
+    # ---- closing --------------------------------------------------------------------------
+
+    def close(self, session: FreeSession) -> None:
+        """Stops a session (aborts its engine request). A request waiting on it is refused by
+        ``EngineError`` unless re-opened by the caller (see :meth:`close_all`)."""
+        if session.closed:
+            return
+        session.closed = True
+        self._by_tag.pop(session.tag, None)
+        self._unfollow(session.tag)
+        session.captured.clear()
+        session.ready.clear()
+        self.num_closed += 1
+        self._abort([session.request_id])
+        waiting, session.waiting = session.waiting, None
+        if waiting is not None:  # (its row never comes now) a new session answers it
+            batch, i, request = waiting
+            self._open(request, batch, i)
+
+    def _fail(self, session: FreeSession, exc: BaseException) -> None:
+        waiting, session.waiting = session.waiting, None
+        self.close(session)
+        if waiting is not None:
+            waiting[0].set(waiting[1], exc)
+
+    def close_where(self, predicate: Callable[[FreeSession], bool]) -> int:
+        """Stops the sessions matching ``predicate`` (requests waiting on them move to new
+        sessions); returns how many."""
+        sessions = [s for s in self._by_tag.values() if predicate(s)]
+        for session in sessions:
+            self.close(session)
+        return len(sessions)
+
+    def close_all(self) -> int:
+        return self.close_where(lambda s: True)
+
+    def fail_all(self, make_error: Callable[[], BaseException]) -> int:
+        """Stops every session and fails the requests waiting on them (engine failure, shutdown)."""
+        sessions = list(self._by_tag.values())
+        for session in sessions:
+            self._fail(session, make_error())
+        return len(sessions)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_live": len(self._by_tag),
+            "num_opened": self.num_opened,
+            "num_extended": self.num_extended,
+            "num_missed": self.num_missed,
+            "num_ahead_stops": self.num_ahead_stops,
+            "num_closed": self.num_closed,
+        }
+
+
+def _captured(session: FreeSession, row: torch.Tensor) -> None:
+    session.captured.append(row)
