@@ -41,7 +41,7 @@ try:
     from vllm.lora.request import LoRARequest
 
     from . import vllm_capture, vllm_internals
-    from .vllm_engine import Continued, EngineJob, EngineRunner, RowBatch
+    from .vllm_engine import Continued, EngineJob, EngineRunner, RowBatch, _invalid
     from .vllm_freerun import FREE_KEY, FreeSessions
     from .vllm_sampling import SamplingMixin
     from .vllm_sessions import PlanEntry, Session, SessionPool
@@ -315,7 +315,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         try:
             vllm_internals.add_request(self.llm.llm_engine, session.request_id, token_ids, params, lora_request)
         except Exception as exc:
-            raise InvalidRequestError(f"vLLM refused the request: {exc}") from exc
+            raise _invalid(exc) from exc
 
     def _queue_pump(self) -> None:
         if not self._pump_queued and self._free.running:
@@ -445,10 +445,11 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             if not self._tap_installed:
                 raise ValueError("free-running sessions need the scheduler's update_from_output, which this "
                                  f"vLLM lacks (checked versions: {vllm_internals.CHECKED_VERSIONS})")
-            self._free_on = True
+            self._free_on = self._free.enabled = True
         else:
-            self._free_on = False
+            self._free_on = self._free.enabled = False
             self._free.close_all()
+            self._queue_pump()  # requests that waited on them get one-row sessions, which end by themselves
 
     def _can_free_run(self) -> bool:
         return self._can_capture and self._sink.discarded is not None and not self._remote_rows

@@ -19,8 +19,9 @@ has a request waiting for its next row or fewer than ``lookahead`` rows computed
 the engine runs at most about one step ahead of its callers and then waits for them); a
 session whose rows nobody takes while others keep the engine going stops (is aborted) once
 ``max_ahead`` of them wait, one unused for ``idle_batches`` batches stops, and one whose
-request ends at the model's length stops there. At most ``capacity`` sessions run; a new one takes the place of the least
-recently used one that nobody waits on, and requests beyond that run as one-row sessions.
+request ends at the model's length stops there. At most ``capacity`` sessions run; a new one
+takes the place of the least recently used one that nobody waits on, and requests beyond
+that run as one-row sessions.
 
 Everything here runs on the model's engine thread, inside or between engine steps.
 """
@@ -91,7 +92,7 @@ class FreeSessions:
         max_model_len: int,
         capacity: int,
         lookahead: int = 1,
-        max_ahead: int = 4,
+        max_ahead: int = 8,
         idle_batches: int = 8,
     ):
         self._start, self._new_tag, self._abort = start, new_tag, abort
@@ -102,6 +103,7 @@ class FreeSessions:
         self.max_ahead = max(int(max_ahead), self.lookahead + 1)
         self.idle_batches = max(int(idle_batches), 1)
         self._by_tag: dict[int, FreeSession] = {}
+        self.enabled = True  # False: requests still waiting on a stopped session get one-row sessions
         self._batch = 0
         self.num_opened = self.num_extended = self.num_missed = self.num_closed = self.num_ahead_stops = 0
 
@@ -142,8 +144,8 @@ class FreeSessions:
 
     def _open(self, request: LogprobsRequest, batch: Any, i: int) -> None:
         rows = self.max_model_len - len(request.token_ids)
-        if len(self._by_tag) >= self.capacity and not self._evict():
-            rows = 1  # no room to run on: a one-row session, which then stops by itself
+        if not self.enabled or (len(self._by_tag) >= self.capacity and not self._evict()):
+            rows = 1  # no room to run on (or turned off): a one-row session, which then stops by itself
         session = FreeSession(f"genlm-free-{next(_ids)}", self._new_tag(), request.lora_name, rows, key=request,
                               waiting=(batch, i, request), last_used=self._batch)
         try:
@@ -205,8 +207,8 @@ class FreeSessions:
     # ---- closing --------------------------------------------------------------------------
 
     def close(self, session: FreeSession) -> None:
-        """Stops a session (aborts its engine request). A request waiting on it is refused by
-        ``EngineError`` unless re-opened by the caller (see :meth:`close_all`)."""
+        """Stops a session (aborts its engine request); a request waiting on it gets a new
+        session instead (:meth:`fail_all` fails it)."""
         if session.closed:
             return
         session.closed = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import math
+import types
 
 import pytest
 import torch
@@ -230,3 +231,39 @@ async def test_a_request_vllm_refuses_fails_alone(free, hf_reference, monkeypatc
                                    return_exceptions=True)
     assert isinstance(results[1], InvalidRequestError) and "refused for the test" in str(results[1])
     assert_matches(results[0], hf_reference("base", good))
+
+
+async def test_turning_free_sessions_off_answers_the_request_in_flight_and_stops_them(free, hf_reference):
+    context = prompts_of([6], seed=62)[0]
+    sampler = TokenSampler(seed=7)
+    row = await free.next_token_logprobs(context)
+    extended = context + [await sampler.sample(row)]
+    task = asyncio.ensure_future(free.next_token_logprobs(extended))
+    await asyncio.sleep(0)  # queued
+    await asyncio.get_running_loop().run_in_executor(None, free.set_sessions, True)
+    assert_matches(await asyncio.wait_for(task, 60), hf_reference("base", extended))
+    scheduler = free.underlying_model.llm_engine.engine_core.engine_core.scheduler
+    deadline = asyncio.get_running_loop().time() + 30
+    while free._engine_thread.submit(scheduler.get_request_counts).result() != (0, 0):
+        assert asyncio.get_running_loop().time() < deadline, "a free session outlived turning them off"
+        await asyncio.sleep(0.05)
+
+
+def test_a_request_waiting_on_a_closed_session_gets_a_new_one_of_one_row_when_turned_off():
+    """FreeSessions alone (no engine): closing a session a request waits on starts a new
+    session for that request: a running one while free sessions are on, a one-row one once
+    they are off (it ends by itself instead of running on unused)."""
+    from genlm_backend.llm.prompts import LogprobsRequest
+    from genlm_backend.llm.vllm_freerun import FreeSessions
+
+    started, aborted, tags = [], [], iter(range(100))
+    pool = FreeSessions(lambda s, ids, lora: started.append((s.tag, s.rows_left)), lambda: next(tags),
+                        aborted.extend, lambda tag, target: None, lambda tag: None, max_model_len=64, capacity=4)
+    batch = types.SimpleNamespace(set=lambda i, result: None)
+    pool.start_batch([LogprobsRequest((5, 6, 7), None)], batch)
+    assert started == [(0, 61)]
+    pool.close_all()
+    assert started[-1] == (1, 61) and len(aborted) == 1  # still waiting: a new running session
+    pool.enabled = False
+    pool.close_all()
+    assert started[-1] == (2, 1) and len(aborted) == 2  # turned off: a one-row session
