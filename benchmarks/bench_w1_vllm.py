@@ -357,7 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sampler", choices=SAMPLERS, default="multinomial",
                         help="how a particle draws its token from the row (client-side cost)")
     parser.add_argument("--session-lookahead", type=int, default=1,
-                        help="rows a free-running session computes ahead of its particle (--sessions free)")
+                        help="engine steps ahead of the particles after each wake-up (--sessions free; 0: none)")
     parser.add_argument("--sessions", choices=("on", "off", "both", "free"), default="both",
                         help="time engine sessions on (ours), off (nosess) or both, interleaved; free: "
                              "ours with free-running sessions")

@@ -18,11 +18,27 @@ from .exceptions import ClosedError, EngineError
 if TYPE_CHECKING:
     from .batching import Batcher
 
-__all__ = ["LoopQueue", "fail_all"]
+__all__ = ["LoopQueue", "call_when_idle", "fail_all"]
 
 # Idle probes of every batcher, so that two batchers waiting for an idle loop do not keep
 # each other "busy" forever.
 _IDLE_PROBES: set[asyncio.Handle] = set()
+
+
+def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> None:
+    """Calls ``callback()`` on ``loop`` (from its thread) once nothing else is ready to run
+    there but idle probes; on loops that do not show their ready queue, at the next turn."""
+
+    def probe() -> None:
+        _IDLE_PROBES.discard(handle)
+        ready = getattr(loop, "_ready", None)
+        if ready is not None and any(h not in _IDLE_PROBES for h in ready):
+            call_when_idle(loop, callback)
+        else:
+            callback()
+
+    handle = loop.call_soon(probe)
+    _IDLE_PROBES.add(handle)
 
 
 class _Entry:

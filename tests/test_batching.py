@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from genlm_backend._batch_queue import call_when_idle
 from genlm_backend.batching import INLINE, Batcher
 from genlm_backend.exceptions import ClosedError, EngineError, RequestDroppedError
 
@@ -102,6 +103,21 @@ async def test_idle_flush_runs_without_waiting_for_the_timeout():
     # Lockstep: every step of the 8 particles is one batch of 8.
     assert [len(b) for b in rec.batches] == [8] * 5
     batcher.close()
+
+
+async def test_call_when_idle_waits_for_the_work_ready_on_the_loop():
+    loop = asyncio.get_running_loop()
+    order = []
+
+    def chain(n):
+        order.append(n)
+        if n < 3:
+            loop.call_soon(chain, n + 1)
+
+    loop.call_soon(chain, 0)
+    call_when_idle(loop, lambda: order.append("idle"))
+    await asyncio.sleep(0.05)
+    assert order == [0, 1, 2, 3, "idle"]
 
 
 async def test_two_idle_batchers_do_not_hold_each_other_back():

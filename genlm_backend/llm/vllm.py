@@ -17,7 +17,8 @@ is a plain decode step over the running requests, as in vLLM's own generation lo
 
 Free-running sessions (``sessions="free"``, :mod:`.vllm_freerun`): vLLM draws each session's
 next token itself and hands it out with the row; a request that extends the context by that
-draw gets the row the engine computed meanwhile, so no step waits for the callers.
+draw gets the row the engine computed meanwhile, so no step waits for the callers; it takes
+that row on the event loop, without a batch (:mod:`.vllm_freedrive` steps the engine for them).
 
 Engine work runs on the model's single engine thread: the log-probability batches and the
 sampling batcher share it, so engine calls never overlap.
@@ -41,8 +42,8 @@ try:
     from vllm.lora.request import LoRARequest
 
     from . import vllm_capture, vllm_internals
-    from .vllm_engine import Continued, EngineJob, EngineRunner, RowBatch, _invalid
-    from .vllm_freerun import FREE_KEY, FreeSessions
+    from .vllm_engine import Continued, EngineJob, EngineRunner, RowBatch
+    from .vllm_freedrive import FreeDriver
     from .vllm_sampling import SamplingMixin
     from .vllm_sessions import PlanEntry, Session, SessionPool
 except ImportError as _exc:  # pragma: no cover - exercised only without vllm
@@ -114,8 +115,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         session_max_ahead: a free-running session stops once this many of its rows wait
             for a request (the engine waits for callers one row ahead of them; more pile up
             only while other work keeps it stepping).
-        session_lookahead: how many rows a free-running session computes ahead of its
-            requests before the engine waits for them.
+        session_lookahead: engine steps run ahead each time requests wait for free-running
+            sessions' rows (beyond the step that answers them), so the rows their callers
+            ask for next are being computed while they look at these; 0: the engine steps
+            only for waiting requests.
     """
 
     def __init__(
@@ -191,13 +194,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         )
         if self._holds:
             self._sink.on_step = self._on_step
-        self._free = FreeSessions(
-            self._start_free, self._sink.next_tag, self._runner.abort, self._sink.follow, self._sink.unfollow,
-            self._model_config.max_model_len, self._session_slots, lookahead=session_lookahead,
-            max_ahead=session_max_ahead,
-            idle_batches=session_idle_batches,
-        )
-        self._free_on = self._pump_queued = self._tap_installed = False
+        self._free = FreeDriver(llm, self._runner, self._sink, self._engine_thread, self._lora_request,
+                                self._session_slots, session_lookahead, session_max_ahead, session_idle_batches)
         self._runner.on_retry = self._on_retry
         self.set_sessions(sessions)
         self._runner.on_stall = self._sessions.free_parked
@@ -265,14 +263,16 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
 
     _evaluates_on_loop = True  # the batch goes to the engine thread from the loop directly
 
+    def _direct(self, request: LogprobsRequest) -> Any:
+        # A request extending a free session by its draw takes the session's next row.
+        return self._free.take(request) if self._free.on else None
+
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Any:
         """On the event loop: hands the batch to the engine thread; returns a future of its rows."""
         if self._listing_refusal is not None:
             return [EngineError(self._listing_refusal) for _ in requests]
-        if self._free_on:
-            batch = RowBatch(asyncio.get_running_loop(), len(requests))
-            self._engine_thread.submit(self._start_free_batch, requests, batch)
-            return batch.future
+        if self._free.on:
+            return self._free.evaluate(requests)
         batch = RowBatch(asyncio.get_running_loop(), len(requests), deferred=self._holds)
         # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
         # runs inside it and decides which sessions continue.
@@ -295,46 +295,6 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             batch.fail(exc)
             return
         self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
-
-    def _start_free_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
-        try:
-            self._free.start_batch(requests, batch)
-        except BaseException as exc:  # noqa: BLE001 - fails this batch only
-            batch.fail(exc)
-        self._queue_pump()
-
-    def _start_free(self, session: Any, token_ids: tuple[int, ...], lora_name: str | None) -> None:
-        """Adds a free-running session's engine request: temperature 1 and nothing else that
-        changes vLLM's draw, so the draw is exact for the row handed out with it."""
-        params = vllm.SamplingParams(
-            max_tokens=session.rows_left, ignore_eos=True, temperature=1.0, detokenize=False,
-            **vllm_internals.NO_DEEP_COPY,
-        )
-        params.extra_args = {**self._sink.extra_args(session.tag), FREE_KEY: session.tag}
-        lora_request = self._lora_request(lora_name)
-        try:
-            vllm_internals.add_request(self.llm.llm_engine, session.request_id, token_ids, params, lora_request)
-        except Exception as exc:
-            raise _invalid(exc) from exc
-
-    def _queue_pump(self) -> None:
-        if not self._pump_queued and self._free.running:
-            self._pump_queued = True
-            self._engine_thread.submit(self._pump)
-
-    def _pump(self) -> None:
-        """One engine step for the free-running sessions (queued again while they run: the
-        batches that arrive meanwhile start between two steps)."""
-        self._pump_queued = False
-        if self.llm is None or not self._free.wants_step():
-            return  # (the next batch queues it again)
-        try:
-            self._runner.step_alone()
-        except BaseException as exc:  # noqa: BLE001 - every waiting caller hears of it
-            failure = exc
-            self._free.fail_all(lambda: _engine_failed(failure))
-            return
-        self._queue_pump()
 
     def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
@@ -438,18 +398,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
 
     def _set_sessions(self, capacity: int, free: bool) -> None:
         self._sessions.resize(capacity)
-        if free:
-            if not self._tap_installed:
-                self._tap_installed = vllm_internals.install_token_tap(
-                    self.llm.llm_engine, FREE_KEY, self._free.tokens, lambda: self._free.running)
-            if not self._tap_installed:
-                raise ValueError("free-running sessions need the scheduler's update_from_output, which this "
-                                 f"vLLM lacks (checked versions: {vllm_internals.CHECKED_VERSIONS})")
-            self._free_on = self._free.enabled = True
-        else:
-            self._free_on = self._free.enabled = False
-            self._free.close_all()
-            self._queue_pump()  # requests that waited on them get one-row sessions, which end by themselves
+        self._free.turn(free)
 
     def _can_free_run(self) -> bool:
         return self._can_capture and self._sink.discarded is not None and not self._remote_rows
@@ -461,7 +410,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         for the parked sessions forever. Later log-probability requests open new ones.
         """
         self._check_open()
-        return self._engine_thread.submit(lambda: self._sessions.close_all() + self._free.close_all()).result()
+        return self._engine_thread.submit(lambda: self._sessions.close_all() + self._free.close_where(lambda s: True)).result()
 
     def _load_lora(self, lora_name: str, lora_path: str) -> None:
         if not os.path.isdir(lora_path):
@@ -535,12 +484,12 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             "engine": {**self._runner.stats.as_dict(),
                        "num_forced_steps": 0 if self._forcing is None else self._forcing.num_skipped},
             "sessions": self._sessions.stats(),
-            "free_sessions": self._free.stats(),
+            "free_sessions": self._free.sessions.stats(),
         }
 
     def _close(self) -> None:
         try:
-            self._engine_thread.submit(self._free.fail_all, lambda: EngineError("the model was closed")).result(60)
+            self._engine_thread.submit(self._free.detach).result(60)
         except Exception:  # noqa: BLE001, S110 - the engine thread is gone: nobody waits there
             pass
         self._sample_batcher.close()
@@ -561,12 +510,6 @@ def listing_refusal(max_logprobs: int, vocab_size: int) -> str | None:
     return (f"full-vocabulary log-probabilities without the capture logits processor (speculative "
             f"decoding) need vLLM to list all {vocab_size} tokens, but this engine allows "
             f"max_logprobs={max_logprobs}: start it with max_logprobs=-1 (from_name does)")
-
-
-def _engine_failed(exc: BaseException) -> EngineError:
-    error = EngineError(f"the engine failed while running free sessions: {exc!r}")
-    error.__cause__ = exc
-    return error
 
 
 def _hf_tokenizer(llm: Any) -> Any:

@@ -14,23 +14,30 @@ device's work of the other, as in vLLM's own decode loop.
 
 A request that extends a row's context by any other token (a constrained or resampled
 particle) starts a new session over its whole context (vLLM's prefix cache skips most of
-the prefill); the old one runs out. Flow control: the engine is stepped while some session
-has a request waiting for its next row or fewer than ``lookahead`` rows computed ahead (so
-the engine runs at most about one step ahead of its callers and then waits for them); a
-session whose rows nobody takes while others keep the engine going stops (is aborted) once
-``max_ahead`` of them wait, one unused for ``idle_batches`` batches stops, and one whose
-request ends at the model's length stops there. At most ``capacity`` sessions run; a new one
-takes the place of the least recently used one that nobody waits on, and requests beyond
-that run as one-row sessions.
+the prefill); the old one runs out. Flow control: the engine is stepped while some request
+waits for its session's next row, and ``lookahead`` steps more after each step that answered
+some (so the engine computes the rows the callers will ask for next while they look at the
+last ones, and then waits for them); a session whose rows nobody takes while others keep the
+engine going stops (is aborted) once ``max_ahead`` of them wait, one unused for
+``idle_batches`` batches stops, and one whose request ends at the model's length stops
+there. At most ``capacity`` sessions run; a new one takes the place of the least recently
+used one that nobody waits on, and requests beyond that run as one-row sessions.
 
-Everything here runs on the model's engine thread, inside or between engine steps.
+A request that extends a session by its draw need not wait for a batch:
+:meth:`FreeSessions.take`, on the event loop, hands it the session's next row at once when
+the engine has computed it already, or a future of it, which the engine thread resolves with
+every other such row of the same step in one call into the loop. Everything else runs on the
+model's engine thread, inside or between engine steps; a lock keeps the two threads' views
+of a session consistent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +64,10 @@ class FreeSession:
     rows_left: int  # rows the engine request can still produce (the model's length bounds it)
     captured: collections.deque = field(default_factory=collections.deque)  # rows whose token is not in yet
     ready: collections.deque = field(default_factory=collections.deque)  # (row, token) nobody took yet
-    waiting: Any = None  # (batch, index, request) that takes the next ready row
+    # (batch, index, request, step) that takes the next ready row, since engine step number
+    # ``step``; batch None: index is a future of the event loop's, awaited by the request's
+    # caller (see FreeSessions.take)
+    waiting: Any = None
     key: Any = None  # the request that took (or waits for) the last row handed out
     drawn: int | None = None  # the engine's draw from that row
     last_used: int = 0
@@ -76,8 +86,8 @@ class FreeSessions:
         follow, unfollow: the capture sink's: every final row of a tag goes to a target.
         max_model_len: bounds each session's rows.
         capacity: the most sessions running at once (below ``max_num_seqs``).
-        lookahead: rows a session may have computed ahead of its requests before it stops
-            asking for engine steps.
+        lookahead: engine steps ahead of the requests (see
+            :class:`~.vllm_freedrive.FreeDriver`).
         max_ahead: a session with this many rows nobody took stops.
         idle_batches: a session no request extended for this many batches stops.
     """
@@ -99,13 +109,18 @@ class FreeSessions:
         self._follow, self._unfollow = follow, unfollow
         self.max_model_len = int(max_model_len)
         self.capacity = max(int(capacity), 1)
-        self.lookahead = max(int(lookahead), 1)
+        self.lookahead = max(int(lookahead), 0)
         self.max_ahead = max(int(max_ahead), self.lookahead + 1)
+        self.steps = 0  # engine steps begun (begin_step); a waiting request records the count
         self.idle_batches = max(int(idle_batches), 1)
         self._by_tag: dict[int, FreeSession] = {}
         self.enabled = True  # False: requests still waiting on a stopped session get one-row sessions
         self._batch = 0
+        # Guards sessions' state between the engine thread and take() on the event loop.
+        self._lock = threading.RLock()
+        self._outbox: list[tuple[asyncio.Future, Any]] = []  # results for futures, sent by _send
         self.num_opened = self.num_extended = self.num_missed = self.num_closed = self.num_ahead_stops = 0
+        self.num_direct = 0  # requests that took their row without a batch (take)
 
     def __len__(self) -> int:
         return len(self._by_tag)
@@ -115,43 +130,86 @@ class FreeSessions:
         """Some session's engine request still runs (the engine must be stepped)."""
         return bool(self._by_tag)
 
-    def wants_step(self) -> bool:
-        """Some session has a request waiting for a row, or room to compute ahead."""
-        lookahead = self.lookahead
-        return any(s.waiting is not None or len(s.ready) + len(s.captured) < lookahead for s in self._by_tag.values())
+    def begin_step(self) -> int:
+        """Counts an engine step about to run; returns its number."""
+        with self._lock:
+            self.steps += 1
+            return self.steps
+
+    def has_waiting(self, before: int | None = None) -> bool:
+        """Some request waits for its session's next row (one that waited already when step
+        number ``before`` began, if given)."""
+        with self._lock:
+            if before is None:
+                return any(s.waiting is not None for s in self._by_tag.values())
+            return any(s.waiting is not None and s.waiting[3] < before for s in self._by_tag.values())
+
+    def take(self, request: LogprobsRequest) -> torch.Tensor | asyncio.Future | None:
+        """On the event loop: for a request that extends a session's context by the session's
+        draw, the session's next row (computed already) or a future of it; None for any other
+        request (it goes to a batch: :meth:`start_batch`). The caller must then see that the
+        engine is stepped for it."""
+        parent = request.parent
+        session = None if parent is None else parent.kept
+        if type(session) is not FreeSession:
+            return None
+        with self._lock:
+            if (session.closed or session.key is not parent or session.waiting is not None or not self.enabled
+                    or session.drawn != request.token_ids[-1]):
+                return None  # (a miss is counted where the batch opens a new session)
+            if session.ready:
+                row, token = session.ready.popleft()
+                offer_draw(row, token)
+                session.drawn, request.kept = token, session
+                taken = row
+            elif session.rows_left > 0:
+                taken = asyncio.get_running_loop().create_future()
+                session.waiting = (None, taken, request, self.steps)
+            else:  # its engine request ended: a batch closes it and opens a new session
+                return None
+            session.key, session.last_used = request, self._batch
+            self.num_extended += 1
+            self.num_direct += 1
+            return taken
 
     def start_batch(self, requests: list[LogprobsRequest], batch: Any) -> None:
         """Matches each request to the session whose draw it extends (its row is the
         session's next one) or opens a session for it; rows go to ``batch`` as they come."""
-        self._batch += 1
-        horizon = self._batch - self.idle_batches
-        for session in [s for s in self._by_tag.values() if s.last_used < horizon and s.waiting is None]:
-            self.close(session)
-        opened: list[tuple[int, LogprobsRequest]] = []
-        for i, request in enumerate(requests):
-            parent = request.parent
-            session = None if parent is None else parent.kept
-            if type(session) is FreeSession and not session.closed and session.key is parent:
-                if session.drawn == request.token_ids[-1] and session.waiting is None:
-                    session.key, session.waiting, session.last_used = request, (batch, i, request), self._batch
-                    self.num_extended += 1
-                    self._serve(session)
-                    continue
-                self.num_missed += 1  # another token than the engine's draw: that session is no use now
-            opened.append((i, request))
-        for i, request in opened:
-            self._open(request, batch, i)
+        with self._lock:
+            self._batch += 1
+            horizon = self._batch - self.idle_batches
+            for session in [s for s in self._by_tag.values() if s.last_used < horizon and s.waiting is None]:
+                self.close(session)
+            opened: list[tuple[int, LogprobsRequest]] = []
+            for i, request in enumerate(requests):
+                parent = request.parent
+                session = None if parent is None else parent.kept
+                if type(session) is FreeSession and not session.closed and session.key is parent:
+                    if session.rows_left <= 0 and not session.ready and session.waiting is None:
+                        self.close(session)  # its engine request ended (its last row was taken directly)
+                    elif session.drawn == request.token_ids[-1] and session.waiting is None:
+                        session.key, session.last_used = request, self._batch
+                        session.waiting = (batch, i, request, self.steps)
+                        self.num_extended += 1
+                        self._serve(session)
+                        continue
+                    else:
+                        self.num_missed += 1  # another token than the engine's draw: that session is no use now
+                opened.append((i, request))
+            for i, request in opened:
+                self._open(request, batch, i)
+        self._send()
 
     def _open(self, request: LogprobsRequest, batch: Any, i: int) -> None:
         rows = self.max_model_len - len(request.token_ids)
         if not self.enabled or (len(self._by_tag) >= self.capacity and not self._evict()):
             rows = 1  # no room to run on (or turned off): a one-row session, which then stops by itself
         session = FreeSession(f"genlm-free-{next(_ids)}", self._new_tag(), request.lora_name, rows, key=request,
-                              waiting=(batch, i, request), last_used=self._batch)
+                              waiting=(batch, i, request, self.steps), last_used=self._batch)
         try:
             self._start(session, request.token_ids, request.lora_name)
         except Exception as exc:  # noqa: BLE001 - vLLM refused this request only
-            batch.set(i, exc)
+            self._give(session.waiting, exc)
             return
         self._by_tag[session.tag] = session
         self._follow(session.tag, functools.partial(_captured, session))
@@ -167,28 +225,33 @@ class FreeSessions:
 
     # ---- inside an engine step ------------------------------------------------------------
 
-    def tokens(self, found: list[tuple[Any, list[int]]]) -> None:
+    def tokens(self, found: list[tuple[Any, Any]]) -> None:
         """The tokens one step sampled, per session tag (the token tap): pairs each with the
         row captured for it, hands rows to their waiting requests, stops sessions too far
         ahead or at their end."""
-        for tag, tokens in found:
-            session = self._by_tag.get(tag)
-            if session is None:
-                continue
-            for token in tokens:
-                if not session.captured:  # a token without its row: never seen; not trusted
-                    self._fail(session, RuntimeError("a free session's token came without its row"))
-                    break
-                session.ready.append((session.captured.popleft(), int(token)))
-                session.rows_left -= 1
-            if session.closed:
-                continue
-            self._serve(session)
-            if session.rows_left <= 0 and not session.ready:
-                self.close(session)  # its engine request has ended
-            elif len(session.ready) >= self.max_ahead:
-                self.num_ahead_stops += 1
-                self.close(session)
+        with self._lock:
+            by_tag, max_ahead = self._by_tag, self.max_ahead
+            for tag, tokens in found:
+                session = by_tag.get(tag)
+                if session is None:
+                    continue
+                captured, ready = session.captured, session.ready
+                for token in tokens:
+                    if not captured:  # a token without its row: never seen; not trusted
+                        self._fail(session, RuntimeError("a free session's token came without its row"))
+                        break
+                    ready.append((captured.popleft(), int(token)))
+                    session.rows_left -= 1
+                if session.closed:
+                    continue
+                if session.waiting is not None:
+                    self._serve(session)
+                if session.rows_left <= 0 and not ready:
+                    self.close(session)  # its engine request has ended
+                elif len(ready) >= max_ahead:
+                    self.num_ahead_stops += 1
+                    self.close(session)
+        self._send()
 
     def _serve(self, session: FreeSession) -> None:
         waiting = session.waiting
@@ -196,19 +259,43 @@ class FreeSessions:
             return
         session.waiting = None
         row, token = session.ready.popleft()
-        batch, i, request = waiting
+        request = waiting[2]
         offer_draw(row, token)
         session.drawn = token
         request.kept = session
-        batch.set(i, row)
+        self._give(waiting, row)
         if session.rows_left <= 0 and not session.ready:
             self.close(session)
+
+    def _give(self, waiting: tuple, result: Any) -> None:
+        """Hands a waiting request its row (or error): into its batch, or, for a caller
+        awaiting a future, into the outbox that :meth:`_send` empties."""
+        batch, slot = waiting[0], waiting[1]
+        if batch is None:
+            self._outbox.append((slot, result))
+        else:
+            batch.set(slot, result)
+
+    def _send(self) -> None:
+        """Resolves the futures of the outbox: one call into each event loop that awaits them
+        (called by every public method of the engine thread's, outside the lock)."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        by_loop: dict[Any, list] = {}
+        for future, result in items:
+            by_loop.setdefault(future.get_loop(), []).append((future, result))
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, group)
+            except RuntimeError:  # the loop was closed: nobody waits any more
+                pass
 
     # ---- closing --------------------------------------------------------------------------
 
     def close(self, session: FreeSession) -> None:
         """Stops a session (aborts its engine request); a request waiting on it gets a new
-        session instead (:meth:`fail_all` fails it)."""
+        session instead (:meth:`fail_all` fails it). Engine thread, under the lock."""
         if session.closed:
             return
         session.closed = True
@@ -220,21 +307,22 @@ class FreeSessions:
         self._abort([session.request_id])
         waiting, session.waiting = session.waiting, None
         if waiting is not None:  # (its row never comes now) a new session answers it
-            batch, i, request = waiting
-            self._open(request, batch, i)
+            self._open(waiting[2], waiting[0], waiting[1])
 
     def _fail(self, session: FreeSession, exc: BaseException) -> None:
         waiting, session.waiting = session.waiting, None
         self.close(session)
         if waiting is not None:
-            waiting[0].set(waiting[1], exc)
+            self._give(waiting, exc)
 
     def close_where(self, predicate: Callable[[FreeSession], bool]) -> int:
         """Stops the sessions matching ``predicate`` (requests waiting on them move to new
         sessions); returns how many."""
-        sessions = [s for s in self._by_tag.values() if predicate(s)]
-        for session in sessions:
-            self.close(session)
+        with self._lock:
+            sessions = [s for s in self._by_tag.values() if predicate(s)]
+            for session in sessions:
+                self.close(session)
+        self._send()
         return len(sessions)
 
     def close_all(self) -> int:
@@ -242,9 +330,11 @@ class FreeSessions:
 
     def fail_all(self, make_error: Callable[[], BaseException]) -> int:
         """Stops every session and fails the requests waiting on them (engine failure, shutdown)."""
-        sessions = list(self._by_tag.values())
-        for session in sessions:
-            self._fail(session, make_error())
+        with self._lock:
+            sessions = list(self._by_tag.values())
+            for session in sessions:
+                self._fail(session, make_error())
+        self._send()
         return len(sessions)
 
     def stats(self) -> dict[str, int]:
@@ -252,6 +342,7 @@ class FreeSessions:
             "num_live": len(self._by_tag),
             "num_opened": self.num_opened,
             "num_extended": self.num_extended,
+            "num_direct": self.num_direct,
             "num_missed": self.num_missed,
             "num_ahead_stops": self.num_ahead_stops,
             "num_closed": self.num_closed,
@@ -260,3 +351,13 @@ class FreeSessions:
 
 def _captured(session: FreeSession, row: torch.Tensor) -> None:
     session.captured.append(row)
+
+
+def _resolve(group: list[tuple[asyncio.Future, Any]]) -> None:
+    """On the event loop: the results of directly awaited rows (a cancelled caller's is dropped)."""
+    for future, result in group:
+        if not future.done():
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)

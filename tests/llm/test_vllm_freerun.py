@@ -62,6 +62,7 @@ async def test_particles_drawing_the_engines_tokens_extend_running_sessions(free
     assert after["num_opened"] - before["num_opened"] == 3  # one engine request per particle
     assert after["num_extended"] - before["num_extended"] == 15  # every later step took a running row
     assert after["num_missed"] == before["num_missed"]
+    assert after["num_direct"] > before["num_direct"]  # some took their rows without a batch
     assert sampler.num_offered == 18  # every draw was the engine's
 
 
@@ -267,3 +268,67 @@ def test_a_request_waiting_on_a_closed_session_gets_a_new_one_of_one_row_when_tu
     pool.enabled = False
     pool.close_all()
     assert started[-1] == (2, 1) and len(aborted) == 2  # turned off: a one-row session
+
+
+def pool_without_engine(**options):
+    """FreeSessions with stand-ins for the engine: ``step(session, token)`` plays one engine
+    step of a session (a row captured, then the token drawn from it); returns that row."""
+    from genlm_backend.llm.vllm_freerun import FreeSessions
+
+    started, aborted, targets, tags = [], [], {}, iter(range(100))
+    pool = FreeSessions(lambda s, ids, lora: started.append(s), lambda: next(tags), aborted.extend,
+                        targets.__setitem__, targets.pop, max_model_len=64, capacity=4, **options)
+
+    def step(session, token):
+        row = torch.randn(16).log_softmax(0)
+        targets[session.tag](row)
+        pool.tokens([(session.tag, [token])])
+        return row
+
+    return pool, started, aborted, step
+
+
+async def test_a_request_extending_a_session_by_its_draw_takes_its_row_on_the_event_loop():
+    """FreeSessions.take (no engine): the session's next row at once when the engine has
+    computed it, a future resolved by the step that computes it otherwise, None for a request
+    that extends the context by another token (it goes to a batch)."""
+    from genlm_backend.llm.prompts import LogprobsRequest
+
+    pool, started, aborted, step = pool_without_engine()
+    rows = {}
+    first = LogprobsRequest((5, 6, 7))
+    pool.start_batch([first], types.SimpleNamespace(set=rows.__setitem__))
+    session = started[0]
+    row = step(session, 9)
+    assert rows == {0: row} and first.kept is session
+    ahead = step(session, 4)  # a step ahead of the caller
+    second = LogprobsRequest((5, 6, 7, 9), parent=first)
+    assert pool.take(second) is ahead and second.kept is session
+    assert await TokenSampler(seed=0).sample(ahead) == 4  # the engine's draw comes with the row
+    assert pool.take(LogprobsRequest((5, 6, 7, 9, 3), parent=second)) is None  # not the draw
+    third = LogprobsRequest((5, 6, 7, 9, 4), parent=second)
+    future = pool.take(third)
+    assert isinstance(future, asyncio.Future) and not future.done()
+    assert pool.take(LogprobsRequest((5, 6, 7, 9, 4), parent=second)) is None  # taken already
+    assert pool.has_waiting()
+    row = step(session, 2)
+    assert await asyncio.wait_for(future, 5) is row and not pool.has_waiting()
+    assert pool.stats()["num_direct"] == 2 and aborted == []
+
+
+async def test_a_cancelled_direct_request_leaves_its_session_to_the_others():
+    from genlm_backend.llm.prompts import LogprobsRequest
+
+    pool, started, aborted, step = pool_without_engine()
+    first, other = LogprobsRequest((5, 6, 7)), LogprobsRequest((8, 9))
+    pool.start_batch([first, other], types.SimpleNamespace(set=lambda i, r: None))
+    one, two = started
+    step(one, 3)
+    step(two, 1)
+    futures = [pool.take(LogprobsRequest((5, 6, 7, 3), parent=first)),
+               pool.take(LogprobsRequest((8, 9, 1), parent=other))]
+    futures[0].cancel()
+    step(one, 2)
+    row = step(two, 6)
+    assert await asyncio.wait_for(futures[1], 5) is row
+    assert futures[0].cancelled() and aborted == []
