@@ -140,11 +140,13 @@ class PromptChecker:
     int instead of being refused. An equal request made recently is returned again (so what
     a backend keeps for a prompt is found by every caller that sends it).
 
-    What "recently" means adapts to the caller: requests are kept in two generations, and a
-    new generation starts when a prompt extends one of the current generation (a sampler's
-    next step began) once it holds ``min_remember`` requests and at least as many as the
-    older one, or when it holds ``remember``. So a lockstep sampler's requests live about two
-    steps: long enough for every particle to find its parent, short enough that they die
+    What "recently" means adapts to the caller: requests are kept in three generations, and
+    a new generation starts when a prompt extends one of the current generation (a sampler's
+    next step began) once it holds ``min_remember`` requests and at least as many as the one
+    before, or when it holds ``remember``. So a lockstep sampler's requests live about three
+    steps: long enough for every particle to find its parent also when some particles run
+    two steps ahead of others (free-running sessions hand rows out as soon as the engine has
+    them, and a particle whose row needs a batch falls behind), short enough that they die
     young (requests held longer are what Python's garbage collector spends its time on).
     """
 
@@ -153,9 +155,11 @@ class PromptChecker:
         self.max_len = max_len
         self.remember = remember
         self.min_remember = min(min_remember, remember)
-        # request hash -> request; a new one of equal hash replaces an older one.
+        # request hash -> request, newest generation first; a new one of equal hash replaces
+        # an older one.
         self._new: dict[int, LogprobsRequest] = {}
         self._old: dict[int, LogprobsRequest] = {}
+        self._older: dict[int, LogprobsRequest] = {}
 
     def request(self, token_ids: Any, lora_name: str | None) -> LogprobsRequest:
         """The checked request for ``token_ids`` (see :func:`check_token_ids` for what raises)."""
@@ -206,8 +210,10 @@ class PromptChecker:
         parent = new.get(key)
         if parent is None:
             parent = self._old.get(key)
+            if parent is None:
+                parent = self._older.get(key)
         elif len(new) >= self.min_remember and len(new) >= len(self._old):
-            self._old, self._new = new, {}  # a sampler's next step began
+            self._older, self._old, self._new = self._old, new, {}  # a sampler's next step began
         if parent is None or parent.lora_name != lora_name:
             return None
         return parent
@@ -217,9 +223,11 @@ class PromptChecker:
         known = self._new.get(key)
         if known is None:
             known = self._old.get(key)
+            if known is None:
+                known = self._older.get(key)
         if known is not None and known == request:
             request = known
         self._new[key] = request
         if len(self._new) >= self.remember:
-            self._old, self._new = self._new, {}
+            self._older, self._old, self._new = self._old, self._new, {}
         return request
