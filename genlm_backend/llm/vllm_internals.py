@@ -323,8 +323,9 @@ def install_token_tap(engine: Any, key: str, deliver: Callable[[list[tuple[Any, 
     """Hands the tokens each step sampled for requests marked in ``extra_args[key]`` to
     ``deliver([(mark, tokens), ...])``, on the engine thread, where the scheduler takes them
     from the model runner's output (before it checks stop conditions), once per step with
-    any. Steps are not looked at while ``active()`` is False. Returns False when the
-    scheduler lacks the call (or has a tap already)."""
+    any; ``tokens`` is the model runner's own list, to be read during the call. Steps are
+    not looked at while ``active()`` is False. Returns False when the scheduler lacks the
+    call (or has a tap already)."""
     scheduler = _scheduler(engine)
     update = getattr(scheduler, "update_from_output", None)
     requests = getattr(scheduler, "requests", None)
@@ -333,13 +334,16 @@ def install_token_tap(engine: Any, key: str, deliver: Callable[[list[tuple[Any, 
 
     def update_from_output(scheduler_output: Any, output: Any) -> Any:
         if active():
-            sampled, found = output.sampled_token_ids, []
+            sampled, found, request_of = output.sampled_token_ids, [], requests.get
+            num_sampled = len(sampled)
             for request_id, index in output.req_id_to_index.items():
-                request = requests.get(request_id)
+                request = request_of(request_id)
                 extra = None if request is None else request.sampling_params.extra_args
                 mark = None if not extra else extra.get(key)
-                if mark is not None and index < len(sampled) and len(sampled[index]):
-                    found.append((mark, [int(t) for t in sampled[index]]))
+                if mark is not None and index < num_sampled:
+                    tokens = sampled[index]  # (the model runner's list of ints, read at once)
+                    if tokens:
+                        found.append((mark, tokens))
             if found:
                 deliver(found)
         return update(scheduler_output, output)
