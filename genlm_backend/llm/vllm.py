@@ -474,7 +474,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         sampler),
         ``peak_device_memory_bytes`` (CUDA only; None on CPU, where
         ``peak_host_rss_bytes`` is given); ``sessions``: live, opened, extended (of which
-        continued while held) and closed engine sessions. Engine counters of a batch land
+        continued while held) and closed engine sessions; ``free_sessions``: live, opened,
+        extended (of which ``num_direct`` took their rows without a batch: the batcher's
+        counters do not count those), missed, stopped for running ahead, and closed
+        free-running sessions. Engine counters of a batch land
         when its last engine step ends, which for held sessions is when the next batch (or
         any other engine work) arrives.
         """
