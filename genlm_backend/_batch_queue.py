@@ -25,20 +25,23 @@ __all__ = ["LoopQueue", "call_when_idle", "fail_all"]
 _IDLE_PROBES: set[asyncio.Handle] = set()
 
 
-def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> None:
+def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any], max_wait: float) -> None:
     """Calls ``callback()`` on ``loop`` (from its thread) once nothing else is ready to run
-    there but idle probes; on loops that do not show their ready queue, at the next turn."""
+    there but idle probes, or after ``max_wait`` seconds of a loop that never idles; on loops
+    that do not show their ready queue, at the next turn."""
+    deadline = loop.time() + max_wait
 
     def probe() -> None:
-        _IDLE_PROBES.discard(handle)
+        _IDLE_PROBES.discard(probe.handle)
         ready = getattr(loop, "_ready", None)
-        if ready is not None and any(h not in _IDLE_PROBES for h in ready):
-            call_when_idle(loop, callback)
+        if ready is not None and any(h not in _IDLE_PROBES for h in ready) and loop.time() < deadline:
+            probe.handle = loop.call_soon(probe)
+            _IDLE_PROBES.add(probe.handle)
         else:
             callback()
 
-    handle = loop.call_soon(probe)
-    _IDLE_PROBES.add(handle)
+    probe.handle = loop.call_soon(probe)
+    _IDLE_PROBES.add(probe.handle)
 
 
 class _Entry:

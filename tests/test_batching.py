@@ -115,9 +115,25 @@ async def test_call_when_idle_waits_for_the_work_ready_on_the_loop():
             loop.call_soon(chain, n + 1)
 
     loop.call_soon(chain, 0)
-    call_when_idle(loop, lambda: order.append("idle"))
+    call_when_idle(loop, lambda: order.append("idle"), max_wait=60.0)
     await asyncio.sleep(0.05)
     assert order == [0, 1, 2, 3, "idle"]
+
+
+async def test_call_when_idle_does_not_wait_forever_for_a_loop_that_never_idles():
+    loop = asyncio.get_running_loop()
+    called, spins = asyncio.Event(), 0
+
+    def spin():
+        nonlocal spins
+        spins += 1
+        if not called.is_set():
+            loop.call_soon(spin)
+
+    loop.call_soon(spin)
+    call_when_idle(loop, called.set, max_wait=0.05)
+    await asyncio.wait_for(called.wait(), 10.0)
+    assert spins > 1  # it waited while the loop was busy, then gave up waiting
 
 
 async def test_two_idle_batchers_do_not_hold_each_other_back():

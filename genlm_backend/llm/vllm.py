@@ -195,7 +195,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         if self._holds:
             self._sink.on_step = self._on_step
         self._free = FreeDriver(llm, self._runner, self._sink, self._engine_thread, self._lora_request,
-                                self._session_slots, session_lookahead, session_max_ahead, session_idle_batches)
+                                self._session_slots, session_lookahead, session_max_ahead, session_idle_batches,
+                                max_wait=timeout)
         self._runner.on_retry = self._on_retry
         self.set_sessions(sessions)
         self._runner.on_stall = self._sessions.free_parked

@@ -47,13 +47,15 @@ class FreeDriver:
         engine_thread: the model's engine thread.
         lora_request: ``lora_name -> LoRARequest | None``.
         capacity, lookahead, max_ahead, idle_batches: see :class:`FreeSessions`.
+        max_wait: seconds after which waiting requests get their step although the event
+            loop never ran out of other work (as the batcher's ``timeout``).
     """
 
     def __init__(self, llm: Any, runner: Any, sink: Any, engine_thread: Any,
                  lora_request: Callable[[str | None], Any], capacity: int, lookahead: int, max_ahead: int,
-                 idle_batches: int):
+                 idle_batches: int, max_wait: float):
         self._llm, self._runner, self._sink, self._thread = llm, runner, sink, engine_thread
-        self._lora_request = lora_request
+        self._lora_request, self._max_wait = lora_request, max_wait
         max_model_len = llm.llm_engine.model_config.max_model_len
         self.sessions = FreeSessions(self._start, sink.next_tag, runner.abort, sink.follow, sink.unfollow,
                                      max_model_len, capacity, lookahead=lookahead, max_ahead=max_ahead,
@@ -72,14 +74,14 @@ class FreeDriver:
     def take(self, request: LogprobsRequest) -> torch.Tensor | asyncio.Future | None:
         """The row of a request that extends a session by its draw, or a future of it; None
         for any other request (it goes to a batch). A future's row needs an engine step:
-        the pump is queued once the event loop has nothing else to do, so that one step
-        serves every caller of this turn of the loop."""
+        the pump is queued once the event loop has nothing else to do (or after
+        ``max_wait``), so that one step serves every caller of this turn of the loop."""
         taken = self.sessions.take(request)
         if taken is not None and type(taken) is not torch.Tensor:
             loop = asyncio.get_running_loop()
             if loop not in self._probing:
                 self._probing.add(loop)
-                call_when_idle(loop, functools.partial(self._loop_idle, loop))
+                call_when_idle(loop, functools.partial(self._loop_idle, loop), self._max_wait)
         return taken
 
     def _loop_idle(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -15,9 +15,9 @@ device's work of the other, as in vLLM's own decode loop.
 A request that extends a row's context by any other token (a constrained or resampled
 particle) starts a new session over its whole context (vLLM's prefix cache skips most of
 the prefill); the old one runs out. Flow control: the engine is stepped while some request
-waits for its session's next row, and ``lookahead`` steps more after each step that answered
-some (so the engine computes the rows the callers will ask for next while they look at the
-last ones, and then waits for them); a session whose rows nobody takes while others keep the
+waits for its session's next row, and ``lookahead`` steps more each time it is woken for
+them (so the engine computes the rows the callers will ask for next while they look at the
+last ones, and then waits for them; see :class:`~.vllm_freedrive.FreeDriver`); a session whose rows nobody takes while others keep the
 engine going stops (is aborted) once ``max_ahead`` of them wait, one unused for
 ``idle_batches`` batches stops, and one whose request ends at the model's length stops
 there. At most ``capacity`` sessions run; a new one takes the place of the least recently
