@@ -69,8 +69,9 @@ async def test_particles_drawing_the_engines_tokens_extend_running_sessions(free
 async def test_a_token_other_than_the_engines_draw_gets_its_own_exact_row(free, hf_reference):
     context = prompts_of([7], seed=51)[0]
     row = await free.next_token_logprobs(context)
-    other = int(torch.argsort(row, descending=True)[1])  # the engine drew at most one of these two
     drawn = TokenSampler().sample_now(row)  # (a draw of the caller's own: the engine's stays unused)
+    # Another likely token (two equal requests would be one): the engine drew at most one of these two.
+    other = next(t for t in torch.argsort(row, descending=True)[:2].tolist() if t != drawn)
     before = counters(free)
     rows = await asyncio.gather(*(free.next_token_logprobs(context + [t]) for t in (other, drawn)))
     for token, extended in zip((other, drawn), rows):
