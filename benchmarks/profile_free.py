@@ -22,7 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_w1_vllm import decode_loop, lockstep_smc, model_for, parse_args, parse_opts, vocab_size  # noqa: E402
+from benchmarks.bench_w1_vllm import (  # noqa: E402
+    decode_loop,
+    lockstep_smc,
+    model_for,
+    parse_args,
+    parse_opts,
+    vocab_size,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
