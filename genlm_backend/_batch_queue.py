@@ -25,6 +25,13 @@ __all__ = ["LoopQueue", "call_when_idle", "fail_all"]
 _IDLE_PROBES: set[asyncio.Handle] = set()
 
 
+def _other_work_ready(loop: asyncio.AbstractEventLoop) -> bool | None:
+    """Whether callbacks other than idle probes are ready to run on ``loop``; None where the
+    loop does not show its ready queue (CPython's loops do; uvloop does not)."""
+    ready = getattr(loop, "_ready", None)
+    return None if ready is None else any(handle not in _IDLE_PROBES for handle in ready)
+
+
 def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any], max_wait: float) -> None:
     """Calls ``callback()`` on ``loop`` (from its thread) once nothing else is ready to run
     there but idle probes, or after ``max_wait`` seconds of a loop that never idles; on loops
@@ -33,8 +40,7 @@ def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any],
 
     def probe() -> None:
         _IDLE_PROBES.discard(probe.handle)
-        ready = getattr(loop, "_ready", None)
-        if ready is not None and any(h not in _IDLE_PROBES for h in ready) and loop.time() < deadline:
+        if _other_work_ready(loop) and loop.time() < deadline:
             probe.handle = loop.call_soon(probe)
             _IDLE_PROBES.add(probe.handle)
         else:
@@ -148,9 +154,9 @@ class LoopQueue:
             self.start()
 
     def _loop_has_other_ready_work(self) -> bool:
-        ready = getattr(self.loop, "_ready", None)
-        if ready is not None:  # CPython's event loops: look at the ready queue itself
-            return any(handle not in _IDLE_PROBES for handle in ready)
+        busy = _other_work_ready(self.loop)
+        if busy is not None:  # CPython's event loops: the ready queue itself tells
+            return busy
         # Other loops (uvloop): call the loop idle once a full pass added no request.
         is_quiet = self.num_added == self.num_added_at_last_probe
         self.num_added_at_last_probe = self.num_added

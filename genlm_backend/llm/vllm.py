@@ -411,7 +411,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         for the parked sessions forever. Later log-probability requests open new ones.
         """
         self._check_open()
-        return self._engine_thread.submit(lambda: self._sessions.close_all() + self._free.close_where(lambda s: True)).result()
+        return self._engine_thread.submit(lambda: self._sessions.close_all() + self._free.close_all()).result()
 
     def _load_lora(self, lora_name: str, lora_path: str) -> None:
         if not os.path.isdir(lora_path):

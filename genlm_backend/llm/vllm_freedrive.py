@@ -109,13 +109,16 @@ class FreeDriver:
             self.on = self.sessions.enabled = True
         else:
             self.on = self.sessions.enabled = False
-            self.close_where(lambda s: True)
+            self.close_all()
 
     def close_where(self, predicate: Callable[[Any], bool]) -> int:
         """Stops the sessions matching ``predicate``; requests waiting on them get new ones."""
         closed = self.sessions.close_where(predicate)
         self._wake()
         return closed
+
+    def close_all(self) -> int:
+        return self.close_where(lambda s: True)
 
     def detach(self) -> None:
         """The model is closing: fails every waiting request, never steps the engine again."""

@@ -158,10 +158,7 @@ class FreeSessions:
                     or session.drawn != request.token_ids[-1]):
                 return None  # (a miss is counted where the batch opens a new session)
             if session.ready:
-                row, token = session.ready.popleft()
-                offer_draw(row, token)
-                session.drawn, request.kept = token, session
-                taken = row
+                taken = self._next_row(session, request)
             elif session.rows_left > 0:
                 taken = asyncio.get_running_loop().create_future()
                 session.waiting = (None, taken, request, self.steps)
@@ -258,14 +255,17 @@ class FreeSessions:
         if waiting is None or not session.ready:
             return
         session.waiting = None
-        row, token = session.ready.popleft()
-        request = waiting[2]
-        offer_draw(row, token)
-        session.drawn = token
-        request.kept = session
-        self._give(waiting, row)
+        self._give(waiting, self._next_row(session, waiting[2]))
         if session.rows_left <= 0 and not session.ready:
             self.close(session)
+
+    @staticmethod
+    def _next_row(session: FreeSession, request: LogprobsRequest) -> torch.Tensor:
+        """Hands ``request`` the session's next ready row, with the engine's draw from it."""
+        row, token = session.ready.popleft()
+        offer_draw(row, token)
+        session.drawn, request.kept = token, session
+        return row
 
     def _give(self, waiting: tuple, result: Any) -> None:
         """Hands a waiting request its row (or error): into its batch, or, for a caller
