@@ -23,6 +23,9 @@ __all__ = ["LoopQueue", "call_when_idle", "fail_all"]
 # Idle probes of every batcher, so that two batchers waiting for an idle loop do not keep
 # each other "busy" forever.
 _IDLE_PROBES: set[asyncio.Handle] = set()
+# The batchers' own probes among them (each may start a batch): ``call_when_idle`` lets them
+# run first.
+_FLUSH_PROBES: set[asyncio.Handle] = set()
 
 
 def _other_work_ready(loop: asyncio.AbstractEventLoop) -> bool | None:
@@ -32,15 +35,21 @@ def _other_work_ready(loop: asyncio.AbstractEventLoop) -> bool | None:
     return None if ready is None else any(handle not in _IDLE_PROBES for handle in ready)
 
 
+def _flush_ready(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether a batcher's idle probe is ready to run on ``loop`` (it may start a batch)."""
+    return any(handle in _FLUSH_PROBES for handle in getattr(loop, "_ready", ()))
+
+
 def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any], max_wait: float) -> None:
     """Calls ``callback()`` on ``loop`` (from its thread) once nothing else is ready to run
-    there but idle probes, or after ``max_wait`` seconds of a loop that never idles; on loops
-    that do not show their ready queue, at the next turn."""
+    there but idle probes, and after the batches that batchers start at that moment (and
+    what their results make ready); or after ``max_wait`` seconds of a loop that never
+    idles; on loops that do not show their ready queue, at the next turn."""
     deadline = loop.time() + max_wait
 
     def probe() -> None:
         _IDLE_PROBES.discard(probe.handle)
-        if _other_work_ready(loop) and loop.time() < deadline:
+        if (_other_work_ready(loop) or _flush_ready(loop)) and loop.time() < deadline:
             probe.handle = loop.call_soon(probe)
             _IDLE_PROBES.add(probe.handle)
         else:
@@ -142,9 +151,11 @@ class LoopQueue:
     def _probe_soon(self) -> None:
         self.idle_probe = self.loop.call_soon(self._probe_idle)
         _IDLE_PROBES.add(self.idle_probe)
+        _FLUSH_PROBES.add(self.idle_probe)
 
     def _probe_idle(self) -> None:
         _IDLE_PROBES.discard(self.idle_probe)
+        _FLUSH_PROBES.discard(self.idle_probe)
         self.idle_probe = None
         if self.is_busy or not self.pending:
             return
@@ -167,6 +178,7 @@ class LoopQueue:
             if handle is not None:
                 handle.cancel()
                 _IDLE_PROBES.discard(handle)
+                _FLUSH_PROBES.discard(handle)
         self.timer = self.idle_probe = self.start_soon = None
 
     # ---- running a batch ------------------------------------------------------------

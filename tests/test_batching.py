@@ -120,6 +120,31 @@ async def test_call_when_idle_waits_for_the_work_ready_on_the_loop():
     assert order == [0, 1, 2, 3, "idle"]
 
 
+async def test_call_when_idle_lets_the_batches_of_that_moment_start_first():
+    # A free session's waiter asks for an engine step before the other particles' batch is
+    # queued; the step must come after that batch starts (and after the work its results
+    # make ready), or the batch's requests miss the step.
+    loop = asyncio.get_running_loop()
+    order = []
+
+    def evaluate(keys):
+        order.append(("batch", list(keys)))
+        return [torch.tensor([float(k)]) for k in keys]
+
+    batcher = Batcher(evaluate, timeout=60.0, executor=INLINE)
+
+    async def particle(i):
+        await batcher.submit(i)
+        order.append(("resumed", i))
+
+    call_when_idle(loop, lambda: order.append("idle"), max_wait=60.0)
+    tasks = [asyncio.ensure_future(particle(i)) for i in range(3)]
+    await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
+    await asyncio.sleep(0.01)
+    assert order == [("batch", [0, 1, 2]), ("resumed", 0), ("resumed", 1), ("resumed", 2), "idle"]
+    batcher.close()
+
+
 async def test_call_when_idle_does_not_wait_forever_for_a_loop_that_never_idles():
     loop = asyncio.get_running_loop()
     called, spins = asyncio.Event(), 0

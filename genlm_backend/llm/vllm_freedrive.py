@@ -9,11 +9,12 @@ that extends a session by its draw takes its row on the event loop (:meth:`FreeD
 no batch), every other request comes in a batch (:meth:`FreeDriver.evaluate`).
 
 When the engine steps: it is given steps ("tickets") when requests wait for rows, and only
-once the event loop that made them has nothing else to do (or a batch arrives), so that one
-step answers every caller of a turn of the loop, and the engine does not run ahead of
-callers still busy with their last rows. Each such wake-up grants one step for the waiting
-requests and ``lookahead`` steps more, which compute the rows the callers will ask for next
-while they look at the last ones. A request still waiting after a step that should have
+once the event loop that made them has nothing else to do, its batches of that moment
+included (or a batch arrives), so that one step answers every caller of a turn of the loop,
+those of the batch too, and the engine does not run ahead of callers still busy with their
+last rows. Each such wake-up grants one step for the waiting requests and ``lookahead``
+steps more, which compute the rows the callers will ask for next while they look at the
+last ones. A request still waiting after a step that should have
 answered it (a prompt prefilled over several steps) gets one more.
 """
 
