@@ -2,10 +2,15 @@
 so that the particles' Python overlaps the engine's host work instead of taking turns with
 it at one GIL (as it must with the engine in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
-One mode per process (run them in one call, for one machine):
+One process, three engines of the same model and options on one device (each with a third
+of the memory share), and five variants alternated within each repeat, so that their ratios hold
+on a machine whose speed moves between starts:
 
-- ``floor``: ``LLM.generate(N copies of the prompt, max_tokens=T)`` with the engine in this
+- ``floor``: ``LLM.generate(N copies of the prompt, max_tokens=T)`` with its engine in this
   process: W1's floor of record.
+- ``mp-sync-floor``: the same ``LLM.generate`` on an engine whose core runs in a child
+  process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``: this process only sends requests and turns
+  the core's outputs into vLLM's request outputs).
 - ``mp-floor``: the same N requests through ``AsyncLLM`` (engine core in a child process),
   each awaited to its end.
 - ``mp-particles``: ``AsyncLLM`` again; N particle coroutines each receive their request's
@@ -13,19 +18,20 @@ One mode per process (run them in one call, for one machine):
   does on the event loop with free-running sessions: the backend's check of its context
   (``PromptChecker.request``), a future resolved for it, and a draw from a row that carries
   the engine's token (``offer_draw``, ``TokenSampler.sample``).
+- ``mp-particles+capture``: the same, with the engine core also writing every row's
+  log-softmax into a ring of row buffers on the device (:mod:`benchmarks.ring_capture`):
+  the engine side of a capture whose rows this process would map by CUDA IPC.
 
-What it leaves out is the rows. A backend built this way would keep them on the device, in
-the engine core's process, and hand the event loop a slot of a ring of row buffers shared
-once by CUDA IPC: the capture's cost on the engine side (0.2-0.7 ms per step in-process at
-N = 64-256, ``trace_free.py``'s ``apply``) plus a slot number per row.
+What it leaves out: this process copying each row out of the shared ring when its token
+arrives, and the flow control a backend needs (the engine core here runs each request to
+``max_tokens``; a session's caller may stop at any step).
 
-    python benchmarks/bound_mp.py --mode floor --gpu --tokenizer-dir DIR
-    python benchmarks/bound_mp.py --mode mp-particles --gpu --tokenizer-dir DIR
+    python benchmarks/bound_mp.py --gpu --tokenizer-dir DIR --engine-opt async_scheduling=true
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/bound_mp.py --micro --particles 8 64
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -38,103 +44,118 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_w1_vllm import model_for, parse_args, parse_opts, vocab_size  # noqa: E402
+from benchmarks.ring_capture import RING_KEY  # noqa: E402
 
-MODES = ("floor", "mp-floor", "mp-particles")
-
-
-def engine_options(args: argparse.Namespace) -> tuple[Path, dict]:
-    model_dir, opts = model_for(args)
-    opts.update(parse_opts(args.engine_opt))
-    return model_dir, {"model": str(model_dir), "seed": args.seed, "enable_prefix_caching": True,
-                       "disable_log_stats": True, **opts}
+VARIANTS = ("floor", "mp-sync-floor", "mp-floor", "mp-particles", "mp-particles+capture")
 
 
-def time_floor(opts: dict, prompt: list[int], args: argparse.Namespace) -> dict[int, list[float]]:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams, TokensPrompt
+class Engines:
+    """The in-process engine, the engine in a child process, and W1's runs on each."""
 
-    llm = LLM(**opts)
-    params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
-    times: dict[int, list[float]] = {}
-    for n in args.particles:
-        prompts = [TokensPrompt(prompt_token_ids=prompt)] * n
-        llm.generate(prompts, params, use_tqdm=False)  # warm-up
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            times.setdefault(n, []).append(time.perf_counter() - start)
-    return times
+    def __init__(self, opts: dict, prompt: list[int], steps: int, share: float | None):
+        import torch
+        from vllm import LLM, SamplingParams, TokensPrompt
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
 
+        from genlm_backend.llm.prompts import PromptChecker
+        from genlm_backend.sampling import TokenSampler
 
-async def time_mp(opts: dict, prompt: list[int], args: argparse.Namespace, particles: bool) -> dict[int, list[float]]:
-    import torch
-    from vllm import SamplingParams, TokensPrompt
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
+        memory = {} if share is None else {"gpu_memory_utilization": share}
+        # The child process first: this one has not touched the device yet.
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            **opts, **memory, disable_log_stats=True, logits_processors=["benchmarks.ring_capture:RingCapture"]))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        self.llm_mp = LLM(**opts, **memory, disable_log_stats=True)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.llm = LLM(**opts, **memory, disable_log_stats=True)
+        self.prompt = TokensPrompt(prompt_token_ids=prompt)
+        self.context = list(prompt)
+        base = dict(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
+        self.plain = SamplingParams(**base)
+        self.final = SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY)
+        self.delta = SamplingParams(**base, output_kind=RequestOutputKind.DELTA)
+        self.captured = SamplingParams(**base, output_kind=RequestOutputKind.DELTA, extra_args={RING_KEY: 1})
+        self.checker = PromptChecker(vocab_size(Path(opts["model"])), None)
+        self.sampler = TokenSampler(seed=0)
+        self.stub = torch.zeros(8)
+        self.runs = 0
 
-    from genlm_backend.llm.prompts import PromptChecker
-    from genlm_backend.sampling import TokenSampler, offer_draw
+    async def run(self, variant: str, n: int) -> float:
+        start = time.perf_counter()
+        if variant in ("floor", "mp-sync-floor"):
+            llm = self.llm if variant == "floor" else self.llm_mp
+            llm.generate([self.prompt] * n, self.plain, use_tqdm=False)
+        else:
+            self.runs += 1
+            params = {"mp-floor": self.final, "mp-particles": self.delta}.get(variant, self.captured)
+            await asyncio.gather(*(self._particle(f"r{self.runs}-{i}", params) for i in range(n)))
+        return time.perf_counter() - start
 
-    engine_args = AsyncEngineArgs(**{k: v for k, v in opts.items() if k != "disable_log_stats"},
-                                  disable_log_stats=True)
-    engine = AsyncLLM.from_engine_args(engine_args)
-    kind = RequestOutputKind.DELTA if particles else RequestOutputKind.FINAL_ONLY
-    params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False,
-                            output_kind=kind)
-    checker, sampler = PromptChecker(vocab_size(Path(opts["model"])), None), TokenSampler(seed=0)
-    stubs = [torch.zeros(8) for _ in range(max(args.particles))]
-    loop = asyncio.get_running_loop()
-    runs = 0
+    async def _particle(self, request_id: str, params) -> None:
+        from genlm_backend.sampling import offer_draw
 
-    async def particle(i: int, tag: str) -> None:
-        context = list(prompt)
+        context, checker, sampler = list(self.context), self.checker, self.sampler
         checker.request(context, None)
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"{tag}-{i}"):
-            if not particles:
+        loop = asyncio.get_running_loop()
+        async for out in self.engine.generate(self.prompt, params, request_id=request_id):
+            if params is self.final:
                 continue
             for token in out.outputs[0].token_ids:
                 future = loop.create_future()
-                future.set_result(stubs[i])
+                future.set_result(self.stub)
                 row = await future
                 offer_draw(row, token)
                 context.append(await sampler.sample(row))
                 checker.request(context, None)
 
-    times: dict[int, list[float]] = {}
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.llm_mp.llm_engine.engine_core.shutdown()
+
+
+async def measure(args, opts: dict, prompt: list[int], share: float | None) -> dict:
+    engines = Engines(opts, prompt, args.steps, share)
+    rows = []
     try:
         for n in args.particles:
-            for repeat in range(args.repeats + 1):  # the first is a warm-up
-                runs += 1
-                start = time.perf_counter()
-                await asyncio.gather(*(particle(i, f"r{runs}") for i in range(n)))
-                if repeat:
-                    times.setdefault(n, []).append(time.perf_counter() - start)
+            for variant in VARIANTS:  # warm-up
+                await engines.run(variant, n)
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for _ in range(args.repeats):
+                for variant in VARIANTS:
+                    times[variant].append(await engines.run(variant, n))
+            row = {"N": n, "T": args.steps}
+            for variant, t in times.items():
+                row[variant] = {"median": statistics.median(t), "min": min(t), "max": max(t)}
+            for variant in VARIANTS[1:]:
+                ratios = [a / b for a, b in zip(times[variant], times["floor"])]
+                row[f"{variant}/floor"] = statistics.median(ratios)
+            rows.append(row)
+            print(f"N={n:4d}: " + ", ".join(f"{v} {row[v]['median']:.4f} s" for v in VARIANTS)
+                  + "; / floor: " + ", ".join(f"{row[v + '/floor']:.2f}" for v in VARIANTS[1:]), flush=True)
     finally:
-        engine.shutdown()
-    return times
+        engines.close()
+    return {"steps": args.steps, "repeats": args.repeats, "rows": rows}
 
 
 def main() -> None:
+    import argparse
+
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--mode", choices=MODES, required=True)
-    parser.add_argument("--out", type=Path, default=None, help="appends one JSON line")
+    parser.add_argument("--out", type=Path, default=None, help="writes the JSON here")
     known, rest = parser.parse_known_args()
     args = parse_args(rest)
-    model_dir, opts = engine_options(args)
+    model_dir, opts = model_for(args)
+    opts.update(parse_opts(args.engine_opt))
+    share = opts.pop("gpu_memory_utilization", None)
+    opts = {"model": str(model_dir), "seed": args.seed, "enable_prefix_caching": True, **opts}
     rng, vocab = random.Random(args.seed), vocab_size(model_dir)
     prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
-    if known.mode == "floor":
-        times = time_floor(opts, prompt, args)
-    else:
-        times = asyncio.run(time_mp(opts, prompt, args, particles=known.mode == "mp-particles"))
-    result = {"mode": known.mode, "steps": args.steps,
-              "seconds": {n: {"median": statistics.median(t), "min": min(t), "max": max(t)} for n, t in times.items()}}
-    for n, t in result["seconds"].items():
-        print(f"{known.mode:13s} N={n:4d}: median {t['median']:.4f} s (min {t['min']:.4f}, max {t['max']:.4f})")
+    result = asyncio.run(measure(args, opts, prompt, None if share is None else share / 3))
     if known.out is not None:
-        with known.out.open("a") as f:
-            f.write(json.dumps(result) + "\n")
+        known.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
