@@ -1,0 +1,102 @@
+"""The engine-core side of ``proto_mp_rows.py``: a logits processor that writes the fp32
+log-softmax of every marked request's rows into a ring shared with the process that added
+the requests. The ring has a lane per request (``extra_args={LANE_KEY: lane}``) and a slot per
+row: a row's place follows from its lane and its index in the request's output, so nothing
+but the token has to travel with vLLM's outputs.
+
+Loaded by name in the engine core's process (``benchmarks.mp_ring:LaneRing``); told where
+to publish the ring by ``$GENLM_PROTO_RING`` (``path:lanes:depth``). On CUDA the ring is
+shared by CUDA IPC (``ForkingPickler``), on the CPU through named shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from multiprocessing import shared_memory
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import LogitsProcessor
+
+RING_ENV = "GENLM_PROTO_RING"
+LANE_KEY = "proto_lane"
+
+
+def open_ring(path: str) -> tuple[torch.Tensor, Any]:
+    """In the other process: the ring the engine core published at ``path`` (and what keeps
+    its memory mapped)."""
+    with open(path, "rb") as f:
+        kind, payload = pickle.load(f)
+    if kind == "cuda":
+        return pickle.loads(payload), None
+    name, shape = payload
+    shm = shared_memory.SharedMemory(name=name)
+    return torch.frombuffer(shm.buf, dtype=torch.float32).view(shape), shm
+
+
+class LaneRing(LogitsProcessor):
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
+        path, lanes, depth = os.environ[RING_ENV].rsplit(":", 2)
+        shape = (int(lanes), int(depth), int(vllm_config.model_config.get_vocab_size()))
+        if device.type == "cuda":
+            self.ring = torch.empty(shape, device=device, dtype=torch.float32)
+            published = ("cuda", bytes(ForkingPickler.dumps(self.ring)))
+        else:
+            size = shape[0] * shape[1] * shape[2] * 4
+            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            self.ring = torch.frombuffer(self._shm.buf, dtype=torch.float32).view(shape)
+            published = ("shm", (self._shm.name, shape))
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(published, f)
+        os.replace(path + ".tmp", path)
+        self.device, self.pin = device, is_pin_memory
+        self.lane_of: dict[int, int] = {}  # batch row -> lane
+        # Rows written per lane since its request was added, on the device: a step's write
+        # needs no copy from the host (a synchronous one would stall the engine's pipeline).
+        self.written = torch.zeros(shape[0], dtype=torch.long, device=device)
+        self.reset: list[int] = []  # lanes whose request was added since the last step
+        self.batch: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch rows, lanes) on the device
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: Any) -> None:
+        if batch_update is None:
+            return
+        lane_of = self.lane_of
+        self.batch = None
+        for index in batch_update.removed:
+            lane_of.pop(index, None)
+        for index, params, _prompt, _output in batch_update.added:
+            lane = (getattr(params, "extra_args", None) or {}).get(LANE_KEY)
+            if lane is None:
+                lane_of.pop(index, None)
+            else:
+                lane_of[index] = int(lane)
+                self.reset.append(int(lane))
+        for a, b, direction in batch_update.moved:
+            lane_a, lane_b = lane_of.pop(a, None), lane_of.pop(b, None)
+            if lane_a is not None:
+                lane_of[b] = lane_a
+            if lane_b is not None and direction.name == "SWAP":
+                lane_of[a] = lane_b
+
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, pin_memory=self.pin).to(self.device, non_blocking=True)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.lane_of:
+            return logits
+        if self.reset:
+            self.written[self._on_device(self.reset)] = 0
+            self.reset = []
+        if self.batch is None:
+            rows, lanes = zip(*sorted(self.lane_of.items()))
+            self.batch = (self._on_device(list(rows)), self._on_device(list(lanes)))
+        rows, lanes = self.batch
+        slots = self.written[lanes] % self.ring.shape[1]
+        self.ring[lanes, slots] = torch.log_softmax(logits[rows].float(), dim=-1)
+        self.written[lanes] += 1
+        return logits

@@ -1,0 +1,212 @@
+"""A prototype, not the backend: W1 with vLLM's engine core in its own process and every row
+moved to this process, against the in-process floor, alternated in one process.
+
+Each particle's context is one engine request (temperature 1, ``max_tokens=T``) on an
+``LLM`` whose engine core runs in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``).
+There, a logits processor (:mod:`benchmarks.mp_ring`) writes each row's fp32 log-softmax
+into a ring on the device, a lane per particle and a slot per step, which this process maps
+once (CUDA IPC). A thread here steps the engine (``LLMEngine.step``: the core's outputs, a
+token per request per step), gathers the rows of that step's tokens from the ring in one
+copy, and hands each particle its row with the engine's draw offered on it. The particles
+do what W1's particles do on free-running sessions: await the row, take the offered draw
+from a ``TokenSampler``, and have the backend's prompt checker check the context.
+
+What it leaves out: flow control (the ring holds a whole run, T + 1 slots a lane, and the
+core runs every request to its end; a backend must let callers stop or lag); requests that
+extend a context by another token than the engine's draw; chunked prefills (the prompt
+fits one step).
+
+A check runs with the timings: rows of a few particles and steps, taken from the ring, against
+a transformers forward pass of the same weights over the same contexts (the largest absolute
+difference; bf16 on the GPU).
+
+    python benchmarks/proto_mp_rows.py --gpu --tokenizer-dir DIR --engine-opt async_scheduling=true
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/proto_mp_rows.py --micro --particles 8 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_w1_vllm import model_for, parse_args, parse_opts, vocab_size  # noqa: E402
+
+
+class Proto:
+    def __init__(self, opts: dict, share: float | None, prompt: list[int], lanes: int, steps: int):
+        import torch  # noqa: F401
+        from vllm import LLM, SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        from benchmarks.mp_ring import LANE_KEY, RING_ENV, open_ring
+        from genlm_backend.llm.prompts import PromptChecker
+        from genlm_backend.sampling import TokenSampler
+
+        memory = {} if share is None else {"gpu_memory_utilization": share}
+        path = os.path.join(tempfile.mkdtemp(), "ring")
+        os.environ[RING_ENV] = f"{path}:{lanes}:{steps + 1}"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        self.llm_mp = LLM(**opts, **memory, disable_log_stats=True, logits_processors=["benchmarks.mp_ring:LaneRing"])
+        self.ring, self._keep = open_ring(path)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.llm = LLM(**opts, **memory, disable_log_stats=True)
+        self.prompt, self.steps = TokensPrompt(prompt_token_ids=prompt), steps
+        self.context = list(prompt)
+        self.plain = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
+        self.params = [SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False,
+                                      output_kind=RequestOutputKind.DELTA, extra_args={LANE_KEY: i})
+                       for i in range(lanes)]
+        self.checker = PromptChecker(vocab_size(Path(opts["model"])), None)
+        self.runs = 0
+        self.checked: list[tuple[list[int], object]] = []  # (context, the row the ring gave for it)
+
+    def floor(self, n: int) -> float:
+        start = time.perf_counter()
+        self.llm.generate([self.prompt] * n, self.plain, use_tqdm=False)
+        return time.perf_counter() - start
+
+    async def ours(self, n: int, check: bool = False, views: bool = False) -> float:
+        from genlm_backend.sampling import TokenSampler, offer_draw
+
+        loop = asyncio.get_running_loop()
+        self.runs += 1
+        run, steps = self.runs, self.steps
+        futures = [[loop.create_future() for _ in range(steps)] for _ in range(n)]
+        sampler, checker = TokenSampler(seed=run), self.checker
+        seen: list[tuple[int, int, int]] = []
+
+        def deliver(items: list) -> None:
+            for lane, k, row, token in items:
+                offer_draw(row, token)
+                futures[lane][k].set_result(row)
+
+        def drive() -> None:
+            import torch
+
+            engine, ring = self.llm_mp.llm_engine, self.ring
+            for i in range(n):
+                engine.add_request(f"p{run}-{i}", self.prompt, self.params[i])
+            counts = [0] * n
+            while engine.has_unfinished_requests():
+                lanes, slots, tokens = [], [], []
+                for out in engine.step():
+                    lane = int(out.request_id.rsplit("-", 1)[1])
+                    for token in out.outputs[0].token_ids:
+                        lanes.append(lane)
+                        slots.append(counts[lane])
+                        tokens.append(token)
+                        counts[lane] += 1
+                if lanes:
+                    if views:  # no device work in this process: views of the ring's slots
+                        rows = [ring[lane, k] for lane, k in zip(lanes, slots)]
+                    else:
+                        pin = ring.is_cuda
+                        index = tuple(torch.tensor(v, pin_memory=pin).to(ring.device, non_blocking=True)
+                                      for v in (lanes, slots))
+                        rows = ring[index].unbind(0)  # one gather: this process's own copy
+                    if check:
+                        seen.extend(zip(lanes, slots, tokens))
+                    loop.call_soon_threadsafe(deliver, list(zip(lanes, slots, rows, tokens)))
+
+        async def particle(i: int) -> None:
+            context = list(self.context)
+            checker.request(context, None)
+            for k in range(steps):
+                row = await futures[i][k]
+                context.append(await sampler.sample(row))
+                checker.request(context, None)
+
+        start = time.perf_counter()
+        thread = threading.Thread(target=drive)
+        thread.start()
+        await asyncio.gather(*(particle(i) for i in range(n)))
+        elapsed = time.perf_counter() - start
+        thread.join()
+        if check:
+            tokens: dict[int, list[int]] = {}
+            for lane, k, token in sorted(seen):
+                tokens.setdefault(lane, []).append(token)
+            for lane in sorted(tokens)[:2]:
+                for k in sorted({0, 1, steps // 2, steps - 1}):
+                    self.checked.append((self.context + tokens[lane][:k], self.ring[lane, k].clone()))
+        return elapsed
+
+    def close(self) -> None:
+        self.llm_mp.llm_engine.engine_core.shutdown()
+
+
+async def measure(args, proto: Proto) -> list[dict]:
+    rows = []
+    for n in args.particles:
+        proto.floor(n)
+        await proto.ours(n, check=True)  # warm-up, and the check
+        await proto.ours(n, views=True)
+        times = {"floor": [], "ours": [], "ours_views": []}
+        for _ in range(args.repeats):
+            times["floor"].append(proto.floor(n))
+            times["ours"].append(await proto.ours(n))
+            times["ours_views"].append(await proto.ours(n, views=True))
+        row = {"N": n, "T": args.steps, **{k: statistics.median(v) for k, v in times.items()}}
+        for name in ("ours", "ours_views"):
+            ratios = [a / b for a, b in zip(times[name], times["floor"])]
+            row[f"ratio_{name}"] = statistics.median(ratios)
+            row[f"ratio_{name}_min_max"] = [min(ratios), max(ratios)]
+        rows.append(row)
+        print(f"N={n:4d}: floor {row['floor']:.4f} s; ours {row['ours']:.4f} s, ratio {row['ratio_ours']:.2f} "
+              f"({row['ratio_ours_min_max'][0]:.2f}-{row['ratio_ours_min_max'][1]:.2f}); rows as views of the ring "
+              f"{row['ours_views']:.4f} s, ratio {row['ratio_ours_views']:.2f} ({row['ratio_ours_views_min_max'][0]:.2f}-"
+              f"{row['ratio_ours_views_min_max'][1]:.2f})", flush=True)
+    return rows
+
+
+def check_rows(model_dir: Path, checked: list) -> float:
+    """The largest difference between the ring's rows and a transformers forward pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = checked[0][1].device
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype="auto").to(device).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for context, row in checked:
+            logits = model(torch.tensor([context], device=device)).logits[0, -1]
+            worst = max(worst, (torch.log_softmax(logits.float(), -1) - row).abs().max().item())
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--out", type=Path, default=None, help="writes the JSON here")
+    known, rest = parser.parse_known_args()
+    args = parse_args(rest)
+    model_dir, opts = model_for(args)
+    opts.update(parse_opts(args.engine_opt))
+    share = opts.pop("gpu_memory_utilization", None)
+    opts = {"model": str(model_dir), "seed": args.seed, "enable_prefix_caching": True, **opts}
+    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
+    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    proto = Proto(opts, None if share is None else share / 2, prompt, max(args.particles), args.steps)
+    try:
+        rows = asyncio.run(measure(args, proto))
+    finally:
+        proto.close()
+    check = {"max_abs_diff": check_rows(model_dir, proto.checked), "rows": len(proto.checked)}
+    print(f"check: {check['rows']} rows from the ring against a transformers forward pass: "
+          f"max abs difference {check['max_abs_diff']:.2e}")
+    if known.out is not None:
+        known.out.write_text(json.dumps({"rows": rows, "check": check}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
