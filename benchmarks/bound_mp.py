@@ -72,7 +72,7 @@ class Engines:
         self.llm = LLM(**opts, **memory, disable_log_stats=True)
         self.prompt = TokensPrompt(prompt_token_ids=prompt)
         self.context = list(prompt)
-        base = dict(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
+        base = {"max_tokens": steps, "ignore_eos": True, "temperature": 1.0, "detokenize": False}
         self.plain = SamplingParams(**base)
         self.final = SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY)
         self.delta = SamplingParams(**base, output_kind=RequestOutputKind.DELTA)

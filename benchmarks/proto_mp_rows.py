@@ -45,13 +45,11 @@ from benchmarks.bench_w1_vllm import model_for, parse_args, parse_opts, vocab_si
 
 class Proto:
     def __init__(self, opts: dict, share: float | None, prompt: list[int], lanes: int, steps: int):
-        import torch  # noqa: F401
         from vllm import LLM, SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         from benchmarks.mp_ring import LANE_KEY, RING_ENV, open_ring
         from genlm_backend.llm.prompts import PromptChecker
-        from genlm_backend.sampling import TokenSampler
 
         memory = {} if share is None else {"gpu_memory_utilization": share}
         path = os.path.join(tempfile.mkdtemp(), "ring")
