@@ -4,15 +4,23 @@ the requests. The ring has a lane per request (``extra_args={LANE_KEY: lane}``) 
 row: a row's place follows from its lane and its index in the request's output, so nothing
 but the token has to travel with vLLM's outputs.
 
+Flow control: before a step's write, the processor waits until the other process has granted
+the rows it would write. ``tickets`` (shared memory, one int64) holds how many rows of each
+request may be written (the other process counts from 0 for each batch of requests it adds);
+while the step would write beyond that, the engine's step waits there, sleeping between
+looks so that the process's other threads run.
+
 Loaded by name in the engine core's process (``benchmarks.mp_ring:LaneRing``); told where
-to publish the ring by ``$GENLM_PROTO_RING`` (``path:lanes:depth``). On CUDA the ring is
-shared by CUDA IPC (``ForkingPickler``), on the CPU through named shared memory.
+to publish the ring and which tickets to wait on by ``$GENLM_PROTO_RING``
+(``path:lanes:depth:tickets``). On CUDA the ring is shared by CUDA IPC (``ForkingPickler``),
+on the CPU through named shared memory.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import time
 from multiprocessing import shared_memory
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -38,7 +46,9 @@ def open_ring(path: str) -> tuple[torch.Tensor, Any]:
 
 class LaneRing(LogitsProcessor):
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
-        path, lanes, depth = os.environ[RING_ENV].rsplit(":", 2)
+        path, lanes, depth, tickets = os.environ[RING_ENV].rsplit(":", 3)
+        self._tickets_shm = shared_memory.SharedMemory(name=tickets)
+        self.tickets = torch.frombuffer(self._tickets_shm.buf, dtype=torch.int64)  # [rows granted per lane]
         shape = (int(lanes), int(depth), int(vllm_config.model_config.get_vocab_size()))
         if device.type == "cuda":
             self.ring = torch.empty(shape, device=device, dtype=torch.float32)
@@ -56,6 +66,7 @@ class LaneRing(LogitsProcessor):
         # Rows written per lane since its request was added, on the device: a step's write
         # needs no copy from the host (a synchronous one would stall the engine's pipeline).
         self.written = torch.zeros(shape[0], dtype=torch.long, device=device)
+        self.written_here = [0] * shape[0]  # the same on the host, for the flow control
         self.reset: list[int] = []  # lanes whose request was added since the last step
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch rows, lanes) on the device
 
@@ -76,6 +87,7 @@ class LaneRing(LogitsProcessor):
             else:
                 lane_of[index] = int(lane)
                 self.reset.append(int(lane))
+                self.written_here[int(lane)] = 0
         for a, b, direction in batch_update.moved:
             lane_a, lane_b = lane_of.pop(a, None), lane_of.pop(b, None)
             if lane_a is not None:
@@ -89,6 +101,13 @@ class LaneRing(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.lane_of:
             return logits
+        written, tickets = self.written_here, self.tickets.numpy()
+        lanes_here = list(self.lane_of.values())
+        need = max(written[lane] for lane in lanes_here) + 1
+        while tickets[0] < need:
+            time.sleep(0)  # (releases the GIL: the process's other threads run)
+        for lane in lanes_here:
+            written[lane] += 1
         if self.reset:
             self.written[self._on_device(self.reset)] = 0
             self.reset = []

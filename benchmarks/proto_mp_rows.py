@@ -11,14 +11,15 @@ copy, and hands each particle its row with the engine's draw offered on it. The 
 do what W1's particles do on free-running sessions: await the row, take the offered draw
 from a ``TokenSampler``, and have the backend's prompt checker check the context.
 
-What it leaves out: flow control (the ring holds a whole run, T + 1 slots a lane, and the
-core runs every request to its end; a backend must let callers stop or lag); requests that
-extend a context by another token than the engine's draw; chunked prefills (the prompt
-fits one step).
+Flow control (``ours``): the engine core writes a request's row k only once some particle
+has asked for row k - ``--session-lookahead`` (the core's step waits for it, on a counter in
+shared memory). ``ours_free`` lets the core run every request to its end. What it leaves out:
+requests that extend a context by another token than the engine's draw, and prompts
+prefilled over several steps.
 
-A check runs with the timings: rows of a few particles and steps, taken from the ring, against
+A check runs with the timings: rows of a few particles and steps, as handed to them, against
 a transformers forward pass of the same weights over the same contexts (the largest absolute
-difference; bf16 on the GPU).
+difference; bf16 on the GPU); and how many rows a particle's row ever arrived ahead of it.
 
     python benchmarks/proto_mp_rows.py --gpu --tokenizer-dir DIR --engine-opt async_scheduling=true
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/proto_mp_rows.py --micro --particles 8 64
@@ -36,11 +37,17 @@ import sys
 import tempfile
 import threading
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_w1_vllm import model_for, parse_args, parse_opts, vocab_size  # noqa: E402
+
+
+UNLIMITED = 1 << 62  # tickets granted when the engine runs free
 
 
 class Proto:
@@ -53,7 +60,10 @@ class Proto:
 
         memory = {} if share is None else {"gpu_memory_utilization": share}
         path = os.path.join(tempfile.mkdtemp(), "ring")
-        os.environ[RING_ENV] = f"{path}:{lanes}:{steps + 1}"
+        self._tickets_shm = shared_memory.SharedMemory(create=True, size=8)
+        self.tickets = np.ndarray((1,), dtype=np.int64, buffer=self._tickets_shm.buf)  # rows granted per lane
+        self.tickets[0] = UNLIMITED
+        os.environ[RING_ENV] = f"{path}:{lanes}:{steps + 1}:{self._tickets_shm.name}"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         self.llm_mp = LLM(**opts, **memory, disable_log_stats=True, logits_processors=["benchmarks.mp_ring:LaneRing"])
         self.ring, self._keep = open_ring(path)
@@ -67,6 +77,7 @@ class Proto:
                        for i in range(lanes)]
         self.checker = PromptChecker(vocab_size(Path(opts["model"])), None)
         self.runs = 0
+        self.ahead: dict[int | None, int] = {}  # lookahead -> most rows a lane's row came ahead of its particle
         self.checked: list[tuple[list[int], object]] = []  # (context, the row the ring gave for it)
 
     def floor(self, n: int) -> float:
@@ -74,24 +85,34 @@ class Proto:
         self.llm.generate([self.prompt] * n, self.plain, use_tqdm=False)
         return time.perf_counter() - start
 
-    async def ours(self, n: int, check: bool = False, views: bool = False) -> float:
+    async def ours(self, n: int, lookahead: int | None = None, check: bool = False) -> float:
+        """One W1 run; ``lookahead``: the engine core steps only while some particle waits
+        for a row, and ``lookahead`` steps ahead (None: it runs every request to its end)."""
+        import torch
+
         from genlm_backend.sampling import TokenSampler, offer_draw
 
         loop = asyncio.get_running_loop()
         self.runs += 1
-        run, steps = self.runs, self.steps
+        run, steps, tickets = self.runs, self.steps, self.tickets
         futures = [[loop.create_future() for _ in range(steps)] for _ in range(n)]
         sampler, checker = TokenSampler(seed=run), self.checker
         seen: list[tuple[int, int, int]] = []
+        handed: dict[tuple[int, int], torch.Tensor] = {}
+        wanted = {(lane, k) for lane in range(min(n, 2)) for k in (0, 1, steps // 2, steps - 1)}
+        tickets[0] = UNLIMITED if lookahead is None else 1 + lookahead
+
+        taken = [0] * n  # rows each particle took
 
         def deliver(items: list) -> None:
             for lane, k, row, token in items:
+                self.ahead[lookahead] = max(self.ahead.get(lookahead, 0), k - taken[lane])
                 offer_draw(row, token)
                 futures[lane][k].set_result(row)
+                if check and (lane, k) in wanted:
+                    handed[lane, k] = row
 
         def drive() -> None:
-            import torch
-
             engine, ring = self.llm_mp.llm_engine, self.ring
             for i in range(n):
                 engine.add_request(f"p{run}-{i}", self.prompt, self.params[i])
@@ -106,13 +127,10 @@ class Proto:
                         tokens.append(token)
                         counts[lane] += 1
                 if lanes:
-                    if views:  # no device work in this process: views of the ring's slots
-                        rows = [ring[lane, k] for lane, k in zip(lanes, slots)]
-                    else:
-                        pin = ring.is_cuda
-                        index = tuple(torch.tensor(v, pin_memory=pin).to(ring.device, non_blocking=True)
-                                      for v in (lanes, slots))
-                        rows = ring[index].unbind(0)  # one gather: this process's own copy
+                    pin = ring.is_cuda
+                    index = tuple(torch.tensor(v, pin_memory=pin).to(ring.device, non_blocking=True)
+                                  for v in (lanes, slots))
+                    rows = ring[index].unbind(0)  # one gather: this process's own copy of the rows
                     if check:
                         seen.extend(zip(lanes, slots, tokens))
                     loop.call_soon_threadsafe(deliver, list(zip(lanes, slots, rows, tokens)))
@@ -121,7 +139,10 @@ class Proto:
             context = list(self.context)
             checker.request(context, None)
             for k in range(steps):
+                if lookahead is not None and tickets[0] < k + 1 + lookahead:
+                    tickets[0] = k + 1 + lookahead  # this row, and lookahead more
                 row = await futures[i][k]
+                taken[i] = k + 1
                 context.append(await sampler.sample(row))
                 checker.request(context, None)
 
@@ -131,40 +152,44 @@ class Proto:
         await asyncio.gather(*(particle(i) for i in range(n)))
         elapsed = time.perf_counter() - start
         thread.join()
+        tickets[0] = UNLIMITED
         if check:
             tokens: dict[int, list[int]] = {}
             for lane, k, token in sorted(seen):
                 tokens.setdefault(lane, []).append(token)
-            for lane in sorted(tokens)[:2]:
-                for k in sorted({0, 1, steps // 2, steps - 1}):
-                    self.checked.append((self.context + tokens[lane][:k], self.ring[lane, k].clone()))
+            for (lane, k), row in sorted(handed.items()):
+                self.checked.append((self.context + tokens[lane][:k], row))
         return elapsed
 
     def close(self) -> None:
         self.llm_mp.llm_engine.engine_core.shutdown()
+        self._tickets_shm.close()
+        self._tickets_shm.unlink()
 
 
 async def measure(args, proto: Proto) -> list[dict]:
     rows = []
+    variants = {"ours": args.session_lookahead, "ours_free": None}
     for n in args.particles:
         proto.floor(n)
-        await proto.ours(n, check=True)  # warm-up, and the check
-        await proto.ours(n, views=True)
-        times = {"floor": [], "ours": [], "ours_views": []}
+        for name, lookahead in variants.items():  # warm-up, and the check
+            await proto.ours(n, lookahead, check=True)
+        times: dict[str, list[float]] = {"floor": [], **{name: [] for name in variants}}
         for _ in range(args.repeats):
             times["floor"].append(proto.floor(n))
-            times["ours"].append(await proto.ours(n))
-            times["ours_views"].append(await proto.ours(n, views=True))
-        row = {"N": n, "T": args.steps, **{k: statistics.median(v) for k, v in times.items()}}
-        for name in ("ours", "ours_views"):
+            for name, lookahead in variants.items():
+                times[name].append(await proto.ours(n, lookahead))
+        row = {"N": n, "T": args.steps, "lookahead": args.session_lookahead,
+               **{k: statistics.median(v) for k, v in times.items()}}
+        for name in variants:
             ratios = [a / b for a, b in zip(times[name], times["floor"])]
             row[f"ratio_{name}"] = statistics.median(ratios)
             row[f"ratio_{name}_min_max"] = [min(ratios), max(ratios)]
         rows.append(row)
-        print(f"N={n:4d}: floor {row['floor']:.4f} s; ours {row['ours']:.4f} s, ratio {row['ratio_ours']:.2f} "
-              f"({row['ratio_ours_min_max'][0]:.2f}-{row['ratio_ours_min_max'][1]:.2f}); rows as views of the ring "
-              f"{row['ours_views']:.4f} s, ratio {row['ratio_ours_views']:.2f} ({row['ratio_ours_views_min_max'][0]:.2f}-"
-              f"{row['ratio_ours_views_min_max'][1]:.2f})", flush=True)
+        print(f"N={n:4d}: floor {row['floor']:.4f} s; " + "; ".join(
+            f"{name} {row[name]:.4f} s, ratio {row['ratio_' + name]:.2f} "
+            f"({row['ratio_' + name + '_min_max'][0]:.2f}-{row['ratio_' + name + '_min_max'][1]:.2f})"
+            for name in variants), flush=True)
     return rows
 
 
@@ -199,8 +224,10 @@ def main() -> None:
         rows = asyncio.run(measure(args, proto))
     finally:
         proto.close()
-    check = {"max_abs_diff": check_rows(model_dir, proto.checked), "rows": len(proto.checked)}
-    print(f"check: {check['rows']} rows from the ring against a transformers forward pass: "
+    check = {"max_abs_diff": check_rows(model_dir, proto.checked), "rows": len(proto.checked),
+             "most_rows_ahead": {str(k): v for k, v in proto.ahead.items()}}
+    print(f"most rows a particle's row arrived ahead of it: {check['most_rows_ahead']}")
+    print(f"check: {check['rows']} rows handed to particles against a transformers forward pass: "
           f"max abs difference {check['max_abs_diff']:.2e}")
     if known.out is not None:
         known.out.write_text(json.dumps({"rows": rows, "check": check}, indent=1))
