@@ -42,15 +42,20 @@ class Timeline:
         from genlm_backend.llm import vllm_internals
 
         timeline = self
-        pump, loop_idle, start_batch = driver._pump, driver._loop_idle, driver._start_batch
+        pump, wake, start_batch = driver._pump, driver._wake, driver._start_batch
+        in_batch = False
 
-        def on_loop_idle(loop):
-            timeline.reason = "idle"
-            return loop_idle(loop)
+        def on_wake():  # on the engine thread, from an idle loop's probe or a batch
+            timeline.reason = "batch" if in_batch else "idle"
+            return wake()
 
         def on_start_batch(requests, batch):
-            timeline.reason = "batch"
-            return start_batch(requests, batch)
+            nonlocal in_batch
+            in_batch = True
+            try:
+                return start_batch(requests, batch)
+            finally:
+                in_batch = False
 
         def on_pump():
             sessions = driver.sessions
@@ -84,7 +89,7 @@ class Timeline:
 
         driver.sessions.tokens = on_tokens
         driver._pump = on_pump
-        driver._loop_idle, driver._start_batch = on_loop_idle, on_start_batch
+        driver._wake, driver._start_batch = on_wake, on_start_batch
         scheduler, runner = vllm_internals._scheduler(engine), vllm_internals._model_runner(engine)
         schedule, execute = scheduler.schedule, runner.execute_model
 

@@ -20,24 +20,24 @@ if TYPE_CHECKING:
 
 __all__ = ["LoopQueue", "call_when_idle", "fail_all"]
 
-# Idle probes of every batcher, so that two batchers waiting for an idle loop do not keep
-# each other "busy" forever.
-_IDLE_PROBES: set[asyncio.Handle] = set()
-# The batchers' own probes among them (each may start a batch): ``call_when_idle`` lets them
-# run first.
-_FLUSH_PROBES: set[asyncio.Handle] = set()
+# Callbacks that only wait for an idle loop. Ready ones are no work to a batcher's probe
+# (two batchers waiting for an idle loop would otherwise keep each other busy forever); a
+# ``call_when_idle`` probe counts the batchers' probes as work, so that its callback comes
+# after the batches that start at that moment.
+_FLUSH_PROBES: set[asyncio.Handle] = set()  # batchers' probes (each may start a batch)
+_WAKE_PROBES: set[asyncio.Handle] = set()  # call_when_idle's probes
 
 
-def _other_work_ready(loop: asyncio.AbstractEventLoop) -> bool | None:
-    """Whether callbacks other than idle probes are ready to run on ``loop``; None where the
-    loop does not show its ready queue (CPython's loops do; uvloop does not)."""
+def _other_work_ready(loop: asyncio.AbstractEventLoop, flushes_are_work: bool = False) -> bool | None:
+    """Whether callbacks other than idle probes are ready to run on ``loop`` (with
+    ``flushes_are_work``, other than ``call_when_idle``'s); None where the loop does not show
+    its ready queue (CPython's loops do; uvloop does not)."""
     ready = getattr(loop, "_ready", None)
-    return None if ready is None else any(handle not in _IDLE_PROBES for handle in ready)
-
-
-def _flush_ready(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether a batcher's idle probe is ready to run on ``loop`` (it may start a batch)."""
-    return any(handle in _FLUSH_PROBES for handle in getattr(loop, "_ready", ()))
+    if ready is None:
+        return None
+    if flushes_are_work:
+        return any(handle not in _WAKE_PROBES for handle in ready)
+    return any(handle not in _FLUSH_PROBES and handle not in _WAKE_PROBES for handle in ready)
 
 
 def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any], max_wait: float) -> None:
@@ -48,15 +48,15 @@ def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any],
     deadline = loop.time() + max_wait
 
     def probe() -> None:
-        _IDLE_PROBES.discard(probe.handle)
-        if (_other_work_ready(loop) or _flush_ready(loop)) and loop.time() < deadline:
+        _WAKE_PROBES.discard(probe.handle)
+        if _other_work_ready(loop, flushes_are_work=True) and loop.time() < deadline:
             probe.handle = loop.call_soon(probe)
-            _IDLE_PROBES.add(probe.handle)
+            _WAKE_PROBES.add(probe.handle)
         else:
             callback()
 
     probe.handle = loop.call_soon(probe)
-    _IDLE_PROBES.add(probe.handle)
+    _WAKE_PROBES.add(probe.handle)
 
 
 class _Entry:
@@ -150,11 +150,9 @@ class LoopQueue:
 
     def _probe_soon(self) -> None:
         self.idle_probe = self.loop.call_soon(self._probe_idle)
-        _IDLE_PROBES.add(self.idle_probe)
         _FLUSH_PROBES.add(self.idle_probe)
 
     def _probe_idle(self) -> None:
-        _IDLE_PROBES.discard(self.idle_probe)
         _FLUSH_PROBES.discard(self.idle_probe)
         self.idle_probe = None
         if self.is_busy or not self.pending:
@@ -177,7 +175,6 @@ class LoopQueue:
         for handle in (self.timer, self.idle_probe, self.start_soon):
             if handle is not None:
                 handle.cancel()
-                _IDLE_PROBES.discard(handle)
                 _FLUSH_PROBES.discard(handle)
         self.timer = self.idle_probe = self.start_soon = None
 
