@@ -32,6 +32,7 @@ arrives, and the flow control a backend needs (the engine core here runs each re
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -140,9 +141,9 @@ async def measure(args, opts: dict, prompt: list[int], share: float | None) -> d
     return {"steps": args.steps, "repeats": args.repeats, "rows": rows}
 
 
-def main() -> None:
-    import argparse
-
+def setup() -> tuple[Path | None, argparse.Namespace, Path, dict, float | None, list[int]]:
+    """The command line: ``--out`` and W1's flags; the model folder, the engine options
+    (without the memory share), the memory share of the workload, and W1's prompt."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--out", type=Path, default=None, help="writes the JSON here")
     known, rest = parser.parse_known_args()
@@ -153,9 +154,14 @@ def main() -> None:
     opts = {"model": str(model_dir), "seed": args.seed, "enable_prefix_caching": True, **opts}
     rng, vocab = random.Random(args.seed), vocab_size(model_dir)
     prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    return known.out, args, model_dir, opts, share, prompt
+
+
+def main() -> None:
+    out, args, _model_dir, opts, share, prompt = setup()
     result = asyncio.run(measure(args, opts, prompt, None if share is None else share / 3))
-    if known.out is not None:
-        known.out.write_text(json.dumps(result, indent=1))
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

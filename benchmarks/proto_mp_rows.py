@@ -27,11 +27,9 @@ difference; bf16 on the GPU); and how many rows a particle's row ever arrived ah
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -44,8 +42,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_w1_vllm import model_for, parse_args, parse_opts, vocab_size  # noqa: E402
-
+from benchmarks.bench_w1_vllm import vocab_size  # noqa: E402
+from benchmarks.bound_mp import setup  # noqa: E402
 
 UNLIMITED = 1 << 62  # tickets granted when the engine runs free
 
@@ -209,16 +207,7 @@ def check_rows(model_dir: Path, checked: list) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--out", type=Path, default=None, help="writes the JSON here")
-    known, rest = parser.parse_known_args()
-    args = parse_args(rest)
-    model_dir, opts = model_for(args)
-    opts.update(parse_opts(args.engine_opt))
-    share = opts.pop("gpu_memory_utilization", None)
-    opts = {"model": str(model_dir), "seed": args.seed, "enable_prefix_caching": True, **opts}
-    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
-    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    out, args, model_dir, opts, share, prompt = setup()
     proto = Proto(opts, None if share is None else share / 2, prompt, max(args.particles), args.steps)
     try:
         rows = asyncio.run(measure(args, proto))
@@ -229,8 +218,8 @@ def main() -> None:
     print(f"most rows a particle's row arrived ahead of it: {check['most_rows_ahead']}")
     print(f"check: {check['rows']} rows handed to particles against a transformers forward pass: "
           f"max abs difference {check['max_abs_diff']:.2e}")
-    if known.out is not None:
-        known.out.write_text(json.dumps({"rows": rows, "check": check}, indent=1))
+    if out is not None:
+        out.write_text(json.dumps({"rows": rows, "check": check}, indent=1))
 
 
 if __name__ == "__main__":
