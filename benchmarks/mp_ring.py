@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
+from genlm_backend.llm.vllm_capture import follow_batch
+
 RING_ENV = "GENLM_PROTO_RING"
 LANE_KEY = "proto_lane"
 
@@ -74,26 +76,18 @@ class LaneRing(LogitsProcessor):
         return False
 
     def update_state(self, batch_update: Any) -> None:
-        if batch_update is None:
-            return
-        lane_of = self.lane_of
-        self.batch = None
-        for index in batch_update.removed:
-            lane_of.pop(index, None)
-        for index, params, _prompt, _output in batch_update.added:
-            lane = (getattr(params, "extra_args", None) or {}).get(LANE_KEY)
-            if lane is None:
-                lane_of.pop(index, None)
-            else:
-                lane_of[index] = int(lane)
-                self.reset.append(int(lane))
-                self.written_here[int(lane)] = 0
-        for a, b, direction in batch_update.moved:
-            lane_a, lane_b = lane_of.pop(a, None), lane_of.pop(b, None)
-            if lane_a is not None:
-                lane_of[b] = lane_a
-            if lane_b is not None and direction.name == "SWAP":
-                lane_of[a] = lane_b
+        if batch_update is not None:
+            self.batch = None
+            follow_batch(self.lane_of, batch_update, self._lane)
+
+    def _lane(self, params: Any, _output_ids: list[int]) -> int | None:
+        """An added request's lane (its rows start again at slot 0), or None."""
+        lane = (getattr(params, "extra_args", None) or {}).get(LANE_KEY)
+        if lane is None:
+            return None
+        self.reset.append(int(lane))
+        self.written_here[int(lane)] = 0
+        return int(lane)
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, pin_memory=self.pin).to(self.device, non_blocking=True)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
+from genlm_backend.llm.vllm_capture import follow_batch
+
 RING_KEY = "ring_capture"
 DEPTH = 4  # steps of rows the ring holds
 
@@ -21,31 +23,15 @@ DEPTH = 4  # steps of rows the ring holds
 class RingCapture(LogitsProcessor):
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
         self.ring: torch.Tensor | None = None
-        self.marked: set[int] = set()  # batch rows of marked requests
+        self.marked: dict[int, bool] = {}  # batch rows of marked requests
         self.steps = 0
 
     def is_argmax_invariant(self) -> bool:
         return False  # (an argmax-invariant processor is skipped for greedy batches)
 
     def update_state(self, batch_update: Any) -> None:
-        if batch_update is None:
-            return
-        marked = self.marked
-        for index in batch_update.removed:
-            marked.discard(index)
-        for index, params, _prompt, _output in batch_update.added:
-            if (getattr(params, "extra_args", None) or {}).get(RING_KEY):
-                marked.add(index)
-            else:
-                marked.discard(index)
-        for a, b, direction in batch_update.moved:
-            in_a, in_b = a in marked, b in marked
-            marked.discard(a)
-            marked.discard(b)
-            if in_a:
-                marked.add(b)
-            if in_b and direction.name == "SWAP":
-                marked.add(a)
+        if batch_update is not None:
+            follow_batch(self.marked, batch_update, _marked)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.marked:
@@ -57,3 +43,7 @@ class RingCapture(LogitsProcessor):
         torch.log_softmax(logits.float(), dim=-1, out=ring[self.steps % DEPTH, :n])
         self.steps += 1
         return logits
+
+
+def _marked(params: Any, _output_ids: list[int]) -> bool | None:
+    return True if (getattr(params, "extra_args", None) or {}).get(RING_KEY) else None

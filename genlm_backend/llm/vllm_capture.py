@@ -47,7 +47,7 @@ from .vllm_internals import CHECKED_VERSIONS
 
 __all__ = [
     "CAPTURE_KEY", "CaptureSink", "ForcedSampling", "LogprobsCaptureProcessor", "RemoteRows", "deliver_remote",
-    "force_tokens", "set_remote",
+    "follow_batch", "force_tokens", "set_remote",
 ]
 
 CAPTURE_KEY = "genlm_backend_capture"
@@ -184,6 +184,34 @@ class CaptureSink:
         return [(i, forced_id) for i, tag in final if (forced_id := forced.get(tag)) is not None]
 
 
+def follow_batch(rows: dict[int, Any], batch_update: BatchUpdate,
+                 entry_of: Callable[[Any, list[int]], Any]) -> None:
+    """Applies one of vLLM's batch updates to what a logits processor keeps per batch row
+    (``rows``: batch row index -> entry): removed rows go, an added row gets
+    ``entry_of(sampling_params, output_ids)`` (None: nothing kept for it), moved rows follow
+    their requests (a swap exchanges two rows, a move leaves its source empty)."""
+    for index in batch_update.removed:
+        rows.pop(index, None)
+    for index, params, _prompt_ids, output_ids in batch_update.added:
+        entry = entry_of(params, output_ids)
+        if entry is None:
+            rows.pop(index, None)
+        else:
+            rows[index] = entry
+    for a, b, direction in batch_update.moved:
+        entry_a, entry_b = rows.pop(a, None), rows.pop(b, None)
+        if entry_a is not None:
+            rows[b] = entry_a
+        if entry_b is not None and direction == MoveDirectionality.SWAP:
+            rows[a] = entry_b
+
+
+def _capture_entry(params: Any, output_ids: list[int]) -> tuple[str, int, list[int]] | None:
+    """A captured request's row entry: (sink token, tag, its live output token list)."""
+    capture = (getattr(params, "extra_args", None) or {}).get(CAPTURE_KEY)
+    return None if capture is None else (capture[0], int(capture[1]), output_ids)
+
+
 class LogprobsCaptureProcessor(LogitsProcessor):
     """Hands the log-softmax of tagged rows to their sinks; forces the tokens sinks ask for.
 
@@ -203,21 +231,7 @@ class LogprobsCaptureProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
-        rows = self.rows
-        for index in batch_update.removed:
-            rows.pop(index, None)
-        for index, params, _prompt_ids, output_ids in batch_update.added:
-            capture = (getattr(params, "extra_args", None) or {}).get(CAPTURE_KEY)
-            if capture is None:
-                rows.pop(index, None)
-            else:
-                rows[index] = (capture[0], int(capture[1]), output_ids)
-        for a, b, direction in batch_update.moved:
-            entry_a, entry_b = rows.pop(a, None), rows.pop(b, None)
-            if entry_a is not None:
-                rows[b] = entry_a
-            if entry_b is not None and direction == MoveDirectionality.SWAP:
-                rows[a] = entry_b
+        follow_batch(self.rows, batch_update, _capture_entry)
         self._sinks = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,10 @@ particle) starts a new session over its whole context (vLLM's prefix cache skips
 the prefill); the old one runs out. Flow control: the engine is stepped while some request
 waits for its session's next row, and ``lookahead`` steps more each time it is woken for
 them (so the engine computes the rows the callers will ask for next while they look at the
-last ones, and then waits for them; see :class:`~.vllm_freedrive.FreeDriver`); a session whose rows nobody takes while others keep the
-engine going stops (is aborted) once ``max_ahead`` of them wait, one unused for
-``idle_batches`` batches stops, and one whose request ends at the model's length stops
-there. At most ``capacity`` sessions run; a new one takes the place of the least recently
+last ones, and then waits for them; see :class:`~.vllm_freedrive.FreeDriver`); a session
+whose rows nobody takes while others keep the engine going stops (is aborted) once
+``max_ahead`` of them wait, one unused for ``idle_batches`` batches stops, and one whose
+request ends at the model's length stops there. At most ``capacity`` sessions run; a new one takes the place of the least recently
 used one that nobody waits on, and requests beyond that run as one-row sessions.
 
 A request that extends a session by its draw need not wait for a batch:
