@@ -272,6 +272,7 @@ def start_plain_floor(args: argparse.Namespace, model_dir: Path, engine_opts: di
         return None
     plain_opts = {**engine_opts, "enable_prefix_caching": True, "disable_log_stats": True}
     plain_opts.pop("async_scheduling", None)  # vLLM's own choice (on where it can be)
+    plain_opts.pop("distributed_executor_backend", None)  # vLLM's decode loop in one process
     if args.gpu:
         plain_opts["gpu_memory_utilization"] = args.vllm_floor
     plain_opts.update(parse_opts(args.vllm_floor_opt))

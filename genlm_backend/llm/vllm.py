@@ -163,9 +163,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         # Rows go to their callers inside the step that computes them where vLLM tells
         # which rows are final; sessions are then held between steps (async scheduling off).
         self._sink.discarded = vllm_internals.discard_mask_reader(engine)
-        # Workers in other processes (tensor parallelism, the "mp" executor) send their rows
-        # with each step's output; they are taken when their requests finish.
-        self._remote_rows = can_capture and vllm_internals.install_remote_capture(llm, vllm_capture.deliver_remote)
+        # Workers in other processes (tensor parallelism, the "mp" executor) write their rows
+        # into a ring this process maps; each step's output says where (no holds there).
+        self._remote = vllm_internals.install_remote_capture(llm, vllm_capture.deliver_remote) if can_capture else None
         self._holds = (
             can_capture
             and self._sink.discarded is not None
@@ -382,16 +382,16 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         at once).
 
         Raises:
-            ValueError: ``"free"`` on an engine whose rows do not reach this process inside
-                the step that computes them (workers in other processes, speculative
-                decoding), or another string.
+            ValueError: ``"free"`` on an engine whose rows do not reach this process with
+                the step that computes them (speculative decoding; a worker process that
+                cannot tell partial prefills), or another string.
         """
         free = isinstance(sessions, str)
         if free and sessions != "free":
             raise ValueError(f"sessions must be True, False, an int or 'free', got {sessions!r}")
         if free and not self._can_free_run():
-            raise ValueError("free-running sessions need the capture processor in this process's engine "
-                             "(no speculative decoding, no workers in other processes)")
+            raise ValueError("free-running sessions need each row in this process with its step (the capture "
+                             "processor, so no speculative decoding; a worker process must tell partial prefills)")
         capacity = 0 if free else self._session_slots if sessions is True else min(int(sessions), self._session_slots)
         usable = self._can_capture and vllm_internals.supports_sessions(self.llm.llm_engine)
         capacity = max(capacity, 0) if usable else 0
@@ -402,7 +402,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         self._free.turn(free)
 
     def _can_free_run(self) -> bool:
-        return self._can_capture and self._sink.discarded is not None and not self._remote_rows
+        if self._remote is not None:  # rows reach this process with their step's output
+            return self._remote.final_rows
+        return self._can_capture and self._sink.discarded is not None
 
     def close_sessions(self) -> int:
         """Closes every live engine session (waits for the engine thread); returns how many.
@@ -501,9 +503,14 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         llm, self.llm = self.llm, None
         self._runner.llm = None
         try:
-            self._engine_thread.submit(vllm_internals.shutdown, llm).result(timeout=60)
+            self._engine_thread.submit(self._shutdown, llm).result(timeout=60)
         except Exception:  # noqa: BLE001 - the engine thread is gone: shut down here
-            vllm_internals.shutdown(llm)
+            self._shutdown(llm)
+
+    def _shutdown(self, llm: Any) -> None:
+        if self._remote is not None and self._remote.ring is not None:
+            self._remote.ring.release()  # before its worker exits
+        vllm_internals.shutdown(llm)
 
 
 def listing_refusal(max_logprobs: int, vocab_size: int) -> str | None:

@@ -13,9 +13,10 @@ skipped when every row is greedy). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and
 (``tensor_parallel_size=1``) the processor lives in this process, so it can hand rows to a
 process-wide registry of sinks. Where the engine's workers are other processes
 (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``), the processor of the
-worker whose output the engine reads gathers the rows of this process's sinks in a
-:class:`RemoteRows`; they travel back with that step's output and reach their sinks
-(:func:`deliver_remote`) before the engine handles the step's results.
+worker whose output the engine reads writes the rows of this process's sinks into a ring
+both processes map (:class:`RemoteRows`, :mod:`.row_ring`); that step's output says where
+they are, and they reach their sinks (:func:`deliver_remote`) before the engine handles the
+step's results.
 
 How rows reach their requests: every capture request carries
 ``SamplingParams.extra_args[CAPTURE_KEY] = [sink_token, tag]``. The processor keeps a map
@@ -263,14 +264,16 @@ class RemoteRows:
 
     Installed in the worker whose step output the engine reads
     (:func:`~.vllm_internals.install_remote_capture`): the capture processor gives it the
-    final rows of every tag whose sink is not in this process; the log-softmax of those rows
-    leaves the device as one ``[k, V]`` array per sink, and :meth:`take` hands the step's
-    rows over to be sent with its output. Nothing is forced and nothing is held: the sinks
-    take their rows when their requests finish.
+    final rows of every tag whose sink is not in this process. Their log-softmax goes into
+    the :class:`~.row_ring.RowRing` shared with the engine's process, and the step's output
+    carries only where they are; without a ring (or for a step with more rows than it
+    holds) the rows leave the device as one ``[k, V]`` array per sink. :meth:`take` hands
+    the step's parts over to be sent with its output.
     """
 
-    def __init__(self, discarded: Callable[[int], Any] | None):
+    def __init__(self, discarded: Callable[[int], Any] | None, ring: Any = None):
         self.discarded = discarded  # as CaptureSink.discarded, read in this process
+        self.ring = ring
         self.parts: list[tuple[str, list[int], Any]] = []
 
     def capture(self, logits: torch.Tensor, rows: dict[int, tuple[str, int, list[int]]], token: str,
@@ -278,8 +281,14 @@ class RemoteRows:
         final = _final_rows(rows, self.discarded, logits.shape[0], token)
         if not final:
             return
+        ring = self.ring
+        start = None if ring is None or ring.rows.shape[1] != logits.shape[1] else ring.claim(len(final))
         with torch.inference_mode(False), torch.no_grad():
             picked = _rows_of(logits, [i for i, _ in final], staging)
+            if start is not None:
+                torch.log_softmax(picked, dim=-1, dtype=torch.float32, out=ring.slots(start, len(final)))
+                self.parts.append((token, [tag for _, tag in final], (start, len(final))))
+                return
             captured = torch.log_softmax(picked, dim=-1, dtype=torch.float32).cpu()
         # A NumPy array pickles its memory out of band (protocol 5), which the engine's
         # message queue sends as is; a tensor would be pickled by ``torch.save`` into the
@@ -287,8 +296,8 @@ class RemoteRows:
         self.parts.append((token, [tag for _, tag in final], captured.numpy()))
 
     def take(self) -> list[tuple[str, list[int], Any]] | None:
-        """This step's rows as ``(sink token, tags, rows [len(tags), V] as a NumPy array)``
-        parts, or None."""
+        """This step's rows as ``(sink token, tags, where)`` parts, or None; ``where`` is
+        ``(first slot, count)`` in the ring or the rows ``[len(tags), V]`` as a NumPy array."""
         parts, self.parts = self.parts, []
         return parts or None
 
@@ -299,16 +308,17 @@ def set_remote(remote: RemoteRows | None) -> None:
     _REMOTE = remote
 
 
-def deliver_remote(parts: list[tuple[str, list[int], Any]]) -> None:
-    """Hands rows that a worker process gathered (:meth:`RemoteRows.take`) to their sinks.
-
-    The arrays are copied: the message queue may hand them over as views of its reusable
-    shared-memory slots (vLLM 0.26)."""
-    for token, tags, rows in parts:
+def deliver_remote(parts: list[tuple[str, list[int], Any]], ring: Any = None) -> None:
+    """Hands rows that a worker process gathered (:meth:`RemoteRows.take`) to their sinks:
+    copied out of ``ring`` (this process's map of the worker's), or out of the arrays (the
+    message queue may hand them over as views of its reusable shared-memory slots)."""
+    for token, tags, where in parts:
         sink = _SINKS.get(token)
-        if sink is not None:
-            for tag, row in zip(tags, torch.tensor(rows).unbind(0)):
-                sink.receive(tag, row)
+        if sink is None:
+            continue
+        rows = ring.read(*where) if type(where) is tuple else torch.tensor(where)
+        for tag, row in zip(tags, rows.unbind(0)):
+            sink.receive(tag, row)
 
 
 class ForcedSampling:

@@ -34,7 +34,12 @@ What is relied on:
   step output of ``executor.output_rank`` only; the worker's ``model_runner.sample_tokens``
   returns that output (a ``ModelRunnerOutput``, or an async one whose ``get_output`` does),
   which travels to this process pickled, extra attributes included; the engine core hands
-  it to ``scheduler.update_from_output`` before any of the step's results go out.
+  it to ``scheduler.update_from_output`` before any of the step's results go out. The rows
+  themselves wait in a :class:`~.row_ring.RowRing` both processes map; its size rests on
+  ``VllmConfig.max_concurrent_batches`` and on the engine core's batch queue handing a
+  step's output to the scheduler before it schedules the step after the next. The token
+  tap and the rows share one wrapper of ``update_from_output`` (:func:`_before_update`),
+  rows first.
 * Seeded sampling on a CPU engine (:func:`install_cpu_generator_rewind`): after a step, the
   runner's ``_bookkeeping_sync`` rewinds the generator of every partial-prefill row by a
   Philox offset (``input_batch.generators.get(i)``, then ``set_offset``), which CPU
@@ -66,6 +71,7 @@ What is relied on:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import threading
 import time
@@ -79,6 +85,7 @@ from vllm.sampling_params import RequestOutputKind
 __all__ = [
     "CHECKED_VERSIONS",
     "NO_DEEP_COPY",
+    "RemoteCapture",
     "abort_requests",
     "add_request",
     "add_session_chunk",
@@ -206,53 +213,103 @@ def install_forced_sampling(engine: Any, forcing: Any) -> Any:
 
 # The attribute of a worker's step output that carries the captured rows to this process.
 _ROWS_ATTR = "genlm_capture_rows"
+# A worker's rows reach this process before the step's tokens do (the token tap's order).
+_ROWS_ORDER, _TOKENS_ORDER = 0, 1
+# A worker's row ring holds at most this many bytes (rows beyond it travel as arrays).
+RING_BYTES = 2**30
 
 
-def install_remote_capture(llm: Any, deliver: Callable[[Any], None]) -> bool:
+@dataclasses.dataclass(frozen=True)
+class RemoteCapture:
+    """How captured rows come from an engine whose model runner is another process."""
+
+    ring: Any  # this process's map of the worker's RowRing, or None (rows come as arrays)
+    final_rows: bool  # the worker tells partial prefills (so rows reach sinks inside their step)
+
+
+def install_remote_capture(llm: Any, deliver: Callable[[Any, Any], None]) -> RemoteCapture | None:
     """Brings the captured rows of an engine whose workers run in other processes.
 
     The worker whose output the engine reads (``executor.output_rank``; the others capture
     nothing) gathers the rows of this process's sinks (:class:`~.vllm_capture.RemoteRows`)
-    and sends them with its step output; this process's scheduler gets ``deliver(rows)``
-    before it handles that output. Returns False where the model runner is in this process
-    (nothing to do) or where this cannot be arranged (the engine core in another process,
-    a worker without these calls): log-probability calls then fail with a clear error.
+    into a :class:`~.row_ring.RowRing` both processes map, and its step output says where
+    they are; this process's scheduler gets ``deliver(parts, ring)`` before it handles that
+    output (and before the token tap sees the step's tokens). Returns None where the model
+    runner is in this process (nothing to do) or where this cannot be arranged (the engine
+    core in another process, a worker without these calls): log-probability calls then
+    fail with a clear error.
     """
+    from .row_ring import READ_LAG, open_ring
+
     engine = llm.llm_engine
     scheduler = _scheduler(engine)
     executor = getattr(getattr(engine.engine_core, "engine_core", None), "model_executor", None)
     if _model_runner(engine) is not None or scheduler is None or executor is None:
-        return False
-    if getattr(scheduler, "_genlm_remote_capture", False):
-        return True
-    installed = llm.collective_rpc(_install_in_worker, args=(getattr(executor, "output_rank", 0),))
-    if not any(installed):
-        return False
-    original = scheduler.update_from_output
+        return None
+    if getattr(scheduler, "_genlm_remote_capture", None) is not None:
+        return scheduler._genlm_remote_capture
+    config = engine.vllm_config
+    width = int(engine.model_config.get_vocab_size())
+    depth = max(int(getattr(config, "max_concurrent_batches", 2)) - 1, 1)
+    max_rows = min(int(config.scheduler_config.max_num_seqs), RING_BYTES // ((depth + READ_LAG + 2) * width * 4))
+    installed = llm.collective_rpc(_install_in_worker,
+                                   args=(getattr(executor, "output_rank", 0), max_rows, depth, width))
+    found = next((i for i in installed if isinstance(i, dict)), None)
+    if found is None:
+        return None
+    handle = found["ring"]
+    remote = RemoteCapture(None if handle is None else open_ring(handle), found["final_rows"])
+    _before_update(scheduler, _ROWS_ORDER, lambda _scheduled, output: _deliver_rows(output, deliver, remote.ring))
+    scheduler._genlm_remote_capture = remote
+    return remote
 
-    def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
-        rows = getattr(model_runner_output, _ROWS_ATTR, None)
-        if rows is not None:
-            deliver(rows)
-        return original(scheduler_output, model_runner_output)
 
-    scheduler.update_from_output = update_from_output
-    scheduler._genlm_remote_capture = True
-    return True
+def _deliver_rows(output: Any, deliver: Callable[[Any, Any], None], ring: Any) -> None:
+    rows = getattr(output, _ROWS_ATTR, None)
+    if rows is not None:
+        deliver(rows, ring)
 
 
-def _install_in_worker(worker: Any, output_rank: int) -> bool:
+def _before_update(scheduler: Any, order: int, hook: Callable[[Any, Any], None]) -> None:
+    """Runs ``hook(scheduler_output, model_runner_output)`` on every step output before the
+    scheduler's ``update_from_output`` handles it; hooks run in ascending ``order`` (one
+    wrapper a scheduler, whatever order they were installed in)."""
+    hooks = getattr(scheduler, "_genlm_before_update", None)
+    if hooks is None:
+        hooks = []
+        original = scheduler.update_from_output
+
+        def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
+            for _, run in hooks:
+                run(scheduler_output, model_runner_output)
+            return original(scheduler_output, model_runner_output)
+
+        scheduler.update_from_output = update_from_output
+        scheduler._genlm_before_update = hooks
+    hooks.append((order, hook))
+    hooks.sort(key=lambda entry: entry[0])
+
+
+def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int, width: int) -> dict | bool:
     """In a worker process (through ``collective_rpc``): on the output rank, makes the capture
-    processor gather rows for the engine's process and its step output carry them."""
+    processor gather rows for the engine's process, into a row ring it shares, and its step
+    output say where they are; returns the ring's handle and whether partial prefills can
+    be told (False on the other ranks)."""
     from . import vllm_capture
+    from .row_ring import RowRing
 
     runner = getattr(worker, "model_runner", None)
     _install_generator_rewind(runner)  # every rank samples
     sample_tokens = getattr(runner, "sample_tokens", None)
     if getattr(worker, "rank", None) != output_rank or sample_tokens is None:
         return False
-    if getattr(runner, "_genlm_remote", None) is None:
-        remote = vllm_capture.RemoteRows(_mask_reader(runner))
+    remote = getattr(runner, "_genlm_remote", None)
+    if remote is None:
+        try:
+            ring = RowRing.create(max_rows, depth, width, getattr(runner, "device", "cpu")) if max_rows > 0 else None
+        except (RuntimeError, OSError):  # no room for it: rows travel as arrays
+            ring = None
+        remote = vllm_capture.RemoteRows(_mask_reader(runner), ring)
 
         def sample(*args: Any, **kwargs: Any) -> Any:
             output = sample_tokens(*args, **kwargs)
@@ -262,7 +319,8 @@ def _install_in_worker(worker: Any, output_rank: int) -> bool:
         runner.sample_tokens = sample
         runner._genlm_remote = remote
         vllm_capture.set_remote(remote)
-    return True
+    ring = remote.ring
+    return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None}
 
 
 def _carrying(output: Any, rows: Any) -> Any:
@@ -332,23 +390,23 @@ def install_token_tap(engine: Any, key: str, deliver: Callable[[list[tuple[Any, 
     if update is None or not isinstance(requests, dict) or getattr(scheduler, "_genlm_token_tap", False):
         return False
 
-    def update_from_output(scheduler_output: Any, output: Any) -> Any:
-        if active():
-            sampled, found, request_of = output.sampled_token_ids, [], requests.get
-            num_sampled = len(sampled)
-            for request_id, index in output.req_id_to_index.items():
-                request = request_of(request_id)
-                extra = None if request is None else request.sampling_params.extra_args
-                mark = None if not extra else extra.get(key)
-                if mark is not None and index < num_sampled:
-                    tokens = sampled[index]  # (the model runner's list of ints, read at once)
-                    if tokens:
-                        found.append((mark, tokens))
-            if found:
-                deliver(found)
-        return update(scheduler_output, output)
+    def tap(_scheduled: Any, output: Any) -> None:
+        if not active():
+            return
+        sampled, found, request_of = output.sampled_token_ids, [], requests.get
+        num_sampled = len(sampled)
+        for request_id, index in output.req_id_to_index.items():
+            request = request_of(request_id)
+            extra = None if request is None else request.sampling_params.extra_args
+            mark = None if not extra else extra.get(key)
+            if mark is not None and index < num_sampled:
+                tokens = sampled[index]  # (the model runner's list of ints, read at once)
+                if tokens:
+                    found.append((mark, tokens))
+        if found:
+            deliver(found)
 
-    scheduler.update_from_output = update_from_output
+    _before_update(scheduler, _TOKENS_ORDER, tap)
     scheduler._genlm_token_tap = True
     return True
 

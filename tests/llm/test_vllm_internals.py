@@ -194,6 +194,18 @@ def test_the_worker_calls_remote_capture_relies_on_are_where_it_expects():
     assert dataclasses.is_dataclass(ModelRunnerOutput) and not hasattr(ModelRunnerOutput, "__slots__")
 
 
+def test_the_row_ring_is_sized_by_the_batches_vllm_runs_at_once():
+    """The ring holds ``(depth + READ_LAG + 2) * max_rows`` rows for ``depth =
+    max_concurrent_batches - 1``: the batch queue hands a step's output to the scheduler
+    (popping the oldest batch) before it schedules the step after the next."""
+    from vllm.config import VllmConfig
+    from vllm.v1.engine.core import EngineCore
+
+    assert isinstance(inspect.getattr_static(VllmConfig, "max_concurrent_batches"), property)
+    source = inspect.getsource(EngineCore.step_with_batch_queue)
+    assert source.index("batch_queue.pop()") < source.index("self.scheduler.update_from_output(")
+
+
 def test_listed_rows_are_taken_from_marked_outputs_before_vllm_lists_them():
     """Marked requests' first listed row goes to ``deliver`` and leaves the output (vLLM then
     builds no Python lists for it); unmarked requests and steps without lists pass untouched;
@@ -600,3 +612,69 @@ def test_the_token_tap_reads_each_steps_tokens_where_the_scheduler_takes_them():
     assert scheduler.update_from_output(None, output) == "done" and calls == [output]
     assert seen == [[(7, [5])]]  # the marked request with a token; not the partial prefill "c"
     assert not vllm_internals.install_token_tap(engine, "k", seen.append, lambda: True)  # once
+
+
+def test_a_workers_rows_reach_this_process_before_the_steps_tokens():
+    """The token tap and the remote capture both run before ``update_from_output``; the rows
+    first whichever was installed first (free sessions pair each token with its row)."""
+    from genlm_backend.llm import vllm_internals
+
+    for tap_first in (True, False):
+        seen, calls = [], []
+        mark = types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args={"k": 7}))
+        scheduler = types.SimpleNamespace(requests={"a": mark},
+                                          update_from_output=lambda so, out: calls.append(out) or "done")
+        engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(
+            scheduler=scheduler)))
+
+        def install_rows(scheduler=scheduler, seen=seen):
+            vllm_internals._before_update(scheduler, vllm_internals._ROWS_ORDER, lambda so, out: seen.append("rows"))
+
+        if not tap_first:
+            install_rows()
+        assert vllm_internals.install_token_tap(engine, "k", lambda found, seen=seen: seen.append("tokens"),
+                                                lambda: True)
+        if tap_first:
+            install_rows()
+        output = types.SimpleNamespace(req_id_to_index={"a": 0}, sampled_token_ids=[[5]])
+        assert scheduler.update_from_output(None, output) == "done" and calls == [output]
+        assert seen == ["rows", "tokens"], tap_first
+
+
+def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
+    """A worker's capture writes a step's final rows into consecutive ring slots and sends
+    where they are; a step with more rows than the ring takes goes as an array."""
+    import pickle
+
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from genlm_backend.llm import vllm_capture
+    from genlm_backend.llm.row_ring import RowRing
+
+    sink = vllm_capture.CaptureSink()
+    tags = [sink.new_tag() for _ in range(3)]
+    proc = vllm_capture.LogprobsCaptureProcessor(None, torch.device("cpu"), False)
+    added = [(i, SamplingParams(extra_args=sink.extra_args(tag)), [1], []) for i, tag in enumerate(tags)]
+    proc.update_state(BatchUpdate(3, removed=[], added=added, moved=[]))
+    ring = RowRing(torch.zeros(8, 10), max_rows=2)
+    remote = vllm_capture.RemoteRows(lambda n: np.zeros(n, dtype=bool), ring)
+    vllm_capture._SINKS.pop(sink.token)
+    vllm_capture.set_remote(remote)
+    try:
+        logits = torch.randn(3, 10)
+        proc.apply(logits.clone())  # three rows: more than max_rows, sent as an array
+        as_array = remote.take()
+        proc.update_state(BatchUpdate(3, removed=[2], added=[], moved=[]))
+        proc.apply(logits.clone())  # two rows: into the ring
+        in_ring = remote.take()
+    finally:
+        vllm_capture.set_remote(None)
+        vllm_capture._SINKS[sink.token] = sink
+    assert isinstance(as_array[0][2], np.ndarray)
+    assert in_ring == [(sink.token, tags[:2], (0, 2))]
+    expected = torch.log_softmax(logits, -1)
+    vllm_capture.deliver_remote(pickle.loads(pickle.dumps(in_ring)), ring)
+    ring.rows.zero_()  # what the sinks got are copies
+    assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[1])

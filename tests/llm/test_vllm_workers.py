@@ -40,7 +40,7 @@ def test_the_model_runner_is_in_another_process(worker_lm):
 
     engine = worker_lm.underlying_model.llm_engine
     assert vllm_internals.discard_mask_reader(engine) is None  # no runner here
-    assert worker_lm._remote_rows and not worker_lm._holds
+    assert worker_lm._remote is not None and not worker_lm._holds
 
 
 async def test_rows_from_a_worker_equal_a_forward_pass(worker_lm, hf_reference):
@@ -49,7 +49,7 @@ async def test_rows_from_a_worker_equal_a_forward_pass(worker_lm, hf_reference):
     prompts = prompts_of([1, 2, 5, 9, 17, 33, 8, 3, 12, 20, 4, 6, 300], seed=71)
     rows = await asyncio.gather(*(worker_lm.next_token_logprobs(p) for p in prompts))
     for prompt, row in zip(prompts, rows):
-        assert row.device.type == "cpu"
+        assert row.device.type == ("cuda" if torch.cuda.is_available() else "cpu")  # the worker's
         assert_matches(row, hf_reference("base", prompt))
 
 
@@ -154,3 +154,38 @@ def test_tensor_parallel_rows_equal_a_forward_pass(tiny_model_dirs, hf_reference
     assert len(got["contexts"]) == 6
     for context, row in zip(got["contexts"], got["rows"]):
         assert_matches(row, hf_reference("base", context))
+
+
+def test_rows_come_through_the_workers_ring(worker_lm):
+    from genlm_backend.llm.row_ring import READ_LAG
+
+    ring = worker_lm._remote.ring
+    assert ring is not None and worker_lm._remote.final_rows
+    assert ring.shape == ((1 + READ_LAG + 2) * 8, worker_lm.vocab_size)  # (depth + READ_LAG + 2) * max_num_seqs
+
+
+async def test_free_sessions_in_a_worker_equal_a_forward_pass(worker_lm, hf_reference):
+    """Free-running sessions over a worker: each step's rows reach the sessions before the
+    step's tokens do (a token without its row fails its session), and the ring's 40 slots
+    are reused over the 40 rows and those of the tests before."""
+    from genlm_backend.sampling import TokenSampler
+
+    worker_lm.set_sessions("free")
+    try:
+        before = worker_lm.stats()["free_sessions"]
+        sampler = TokenSampler(seed=3)
+        contexts, seen = prompts_of([2, 9, 30, 5, 14], seed=77), []
+        for _ in range(8):
+            rows = await asyncio.gather(*(worker_lm.next_token_logprobs(c) for c in contexts))
+            seen += zip(contexts, rows)
+            tokens = await asyncio.gather(*(sampler.sample(r) for r in rows))
+            contexts = [c + [t] for c, t in zip(contexts, tokens)]
+        for context, row in seen:
+            assert_matches(row, hf_reference("base", context))
+        after = worker_lm.stats()["free_sessions"]
+    finally:
+        worker_lm.close_sessions()
+        worker_lm.set_sessions(True)
+    assert after["num_opened"] - before["num_opened"] == 5  # one engine request per particle
+    assert after["num_extended"] - before["num_extended"] == 35  # every later step took a running row
+    assert sampler.num_offered == 40  # every draw was the engine's

@@ -1,0 +1,73 @@
+"""The row ring that an engine worker process shares with the engine's process
+(:mod:`genlm_backend.llm.row_ring`): where a step's rows go, that the steps a worker may run
+while the engine's process still reads one never write over it, and that rows written in
+another process read back exactly (a CPU ring here; a CUDA one where there is a GPU)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+
+import pytest
+import torch
+
+from genlm_backend.llm.row_ring import READ_LAG, RowRing, open_ring
+
+
+def test_a_step_takes_consecutive_slots_and_restarts_at_zero_when_they_do_not_fit():
+    ring = RowRing(torch.zeros(12, 3), max_rows=4)
+    assert [ring.claim(n) for n in (4, 3, 4)] == [0, 4, 7]
+    assert ring.claim(2) == 0  # 11 + 2 > 12
+    assert ring.claim(5) is None  # more rows than a step may have: the caller sends them otherwise
+    assert ring.claim(4) == 2
+
+
+def claimed(num_slots: int, max_rows: int, seed: int, steps: int = 3000) -> list[set[int]]:
+    """The slots of ``steps`` steps of random sizes (1 to ``max_rows`` rows) on a ring."""
+    ring, rng = RowRing(torch.zeros(num_slots, 1), max_rows), random.Random(seed)
+    return [set(range(start, start + n)) for n in (rng.randint(1, max_rows) for _ in range(steps))
+            for start in [ring.claim(n)]]
+
+
+def overwritten(steps: list[set[int]], depth: int) -> bool:
+    """Some step's slots are written again within the ``depth`` steps after it."""
+    return any(steps[k] & set().union(*steps[k + 1 : k + 1 + depth]) for k in range(len(steps) - depth))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_the_steps_run_while_one_is_read_never_reach_its_slots(depth):
+    """``depth`` steps run in the worker while one is read, and ``READ_LAG`` more before this
+    process makes sure its copy is done."""
+    max_rows, ahead = 7, depth + READ_LAG
+    made = RowRing.create(max_rows, depth, 1, "cpu")
+    os.unlink(made.path)  # (nobody maps it: open_ring would remove it)
+    assert made.shape == ((ahead + 2) * max_rows, 1)
+    assert not overwritten(claimed((ahead + 2) * max_rows, max_rows, seed=depth), ahead)
+    # One step's worth fewer, and random steps do write over a step still being read.
+    assert overwritten(claimed((ahead + 1) * max_rows, max_rows, seed=depth), ahead)
+
+
+def _write_in_child(handle, start, rows):
+    ring = open_ring(handle)
+    ring.slots(start, rows.shape[0]).copy_(rows.to(ring.rows.device))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a CUDA ring needs a GPU"))])
+def test_rows_written_in_another_process_read_back_exactly(device):
+    """The worker's side is the other way round (it makes the ring, this process maps it);
+    a ring mapped from a handle and one made here are the same object either way."""
+    ring = RowRing.create(max_rows=4, depth=1, width=5, device=device)
+    assert ring.shape == ((1 + READ_LAG + 2) * 4, 5)
+    rows = torch.randn(3, 5)
+    start = ring.claim(3)
+    context = multiprocessing.get_context("spawn")
+    child = context.Process(target=_write_in_child, args=(ring.handle(), start, rows))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    read = ring.read(start, 3)
+    assert torch.equal(read.cpu(), rows)
+    ring.slots(start, 3).zero_()  # a copy: the ring may be written over once read returns
+    assert torch.equal(read.cpu(), rows)
