@@ -116,26 +116,29 @@ class Engines:
         self.llm_mp.llm_engine.engine_core.shutdown()
 
 
-async def measure(args, opts: dict, prompt: list[int], share: float | None) -> dict:
-    engines = Engines(opts, prompt, args.steps, share)
+async def alternate(engines, variants: tuple[str, ...], args) -> dict:
+    """Times ``await engines.run(variant, n)`` for each N of ``args.particles``, the variants
+    alternated within each repeat (after one warm-up each); ratios against ``variants[0]``.
+    Closes the engines at the end."""
     rows = []
     try:
         for n in args.particles:
-            for variant in VARIANTS:  # warm-up
+            for variant in variants:  # warm-up
                 await engines.run(variant, n)
-            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            times: dict[str, list[float]] = {v: [] for v in variants}
             for _ in range(args.repeats):
-                for variant in VARIANTS:
+                for variant in variants:
                     times[variant].append(await engines.run(variant, n))
             row = {"N": n, "T": args.steps}
             for variant, t in times.items():
                 row[variant] = {"median": statistics.median(t), "min": min(t), "max": max(t)}
-            for variant in VARIANTS[1:]:
-                ratios = [a / b for a, b in zip(times[variant], times["floor"])]
-                row[f"{variant}/floor"] = statistics.median(ratios)
+            base = variants[0]
+            for variant in variants[1:]:
+                ratios = [a / b for a, b in zip(times[variant], times[base])]
+                row[f"{variant}/{base}"] = statistics.median(ratios)
             rows.append(row)
-            print(f"N={n:4d}: " + ", ".join(f"{v} {row[v]['median']:.4f} s" for v in VARIANTS)
-                  + "; / floor: " + ", ".join(f"{row[v + '/floor']:.2f}" for v in VARIANTS[1:]), flush=True)
+            print(f"N={n:4d}: " + ", ".join(f"{v} {row[v]['median']:.4f} s" for v in variants)
+                  + f"; / {base}: " + ", ".join(f"{row[f'{v}/{base}']:.2f}" for v in variants[1:]), flush=True)
     finally:
         engines.close()
     return {"steps": args.steps, "repeats": args.repeats, "rows": rows}
@@ -157,11 +160,23 @@ def setup() -> tuple[Path | None, argparse.Namespace, Path, dict, float | None, 
     return known.out, args, model_dir, opts, share, prompt
 
 
-def main() -> None:
+def run_bound(make_engines, variants: tuple[str, ...], num_engines: int) -> None:
+    """A bound's command line: ``make_engines(opts, prompt, steps, share)`` (on the event
+    loop, each engine with ``1 / num_engines`` of the memory share), timed by
+    :func:`alternate`; ``--out`` gets the JSON."""
     out, args, _model_dir, opts, share, prompt = setup()
-    result = asyncio.run(measure(args, opts, prompt, None if share is None else share / 3))
+    share = None if share is None else share / num_engines
+
+    async def measure() -> dict:
+        return await alternate(make_engines(opts, prompt, args.steps, share), variants, args)
+
+    result = asyncio.run(measure())
     if out is not None:
         out.write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    run_bound(Engines, VARIANTS, 3)
 
 
 if __name__ == "__main__":

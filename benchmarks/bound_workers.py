@@ -32,9 +32,7 @@ shared by CUDA IPC, as ``proto_mp_rows.py`` does), and flow control (every reque
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -43,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_w1_vllm import vocab_size  # noqa: E402
-from benchmarks.bound_mp import setup  # noqa: E402
+from benchmarks.bound_mp import run_bound  # noqa: E402
 
 VARIANTS = ("floor", "wk-floor", "particles", "wk-particles")
 
@@ -131,36 +129,8 @@ class Engines:
             llm.llm_engine.engine_core.shutdown()
 
 
-async def measure(args, opts: dict, prompt: list[int], share: float | None) -> dict:
-    engines = Engines(opts, prompt, args.steps, share)
-    rows = []
-    try:
-        for n in args.particles:
-            for variant in VARIANTS:  # warm-up
-                await engines.run(variant, n)
-            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-            for _ in range(args.repeats):
-                for variant in VARIANTS:
-                    times[variant].append(await engines.run(variant, n))
-            row = {"N": n, "T": args.steps}
-            for variant, t in times.items():
-                row[variant] = {"median": statistics.median(t), "min": min(t), "max": max(t)}
-            for variant in VARIANTS[1:]:
-                ratios = [a / b for a, b in zip(times[variant], times["floor"])]
-                row[f"{variant}/floor"] = statistics.median(ratios)
-            rows.append(row)
-            print(f"N={n:4d}: " + ", ".join(f"{v} {row[v]['median']:.4f} s" for v in VARIANTS)
-                  + "; / floor: " + ", ".join(f"{row[v + '/floor']:.2f}" for v in VARIANTS[1:]), flush=True)
-    finally:
-        engines.close()
-    return {"steps": args.steps, "repeats": args.repeats, "rows": rows}
-
-
 def main() -> None:
-    out, args, _model_dir, opts, share, prompt = setup()
-    result = asyncio.run(measure(args, opts, prompt, None if share is None else share / 2))
-    if out is not None:
-        out.write_text(json.dumps(result, indent=1))
+    run_bound(Engines, VARIANTS, 2)
 
 
 if __name__ == "__main__":
