@@ -89,7 +89,7 @@ class RowRing:
         copied = self.rows[start : start + count].clone()
         if copied.is_cuda:
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(copied.device))
             self._copies.append(done)
             while len(self._copies) > READ_LAG:
                 self._copies.popleft().synchronize()
