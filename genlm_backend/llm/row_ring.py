@@ -75,7 +75,6 @@ class RowRing:
             return None
         if self._cursor + count > self.rows.shape[0]:
             self._cursor = 0
-        self._copies: collections.deque = collections.deque()  # CUDA events of the last reads' copies
         start, self._cursor = self._cursor, self._cursor + count
         return start
 
@@ -118,4 +117,3 @@ def open_ring(handle: tuple) -> RowRing:
         _, rebuild, args, max_rows = handle
         return RowRing(rebuild(*args), max_rows)
     raise ValueError(f"unknown row ring kind {kind!r}")
-
