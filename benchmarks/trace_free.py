@@ -19,10 +19,21 @@ and prints, per engine step, in microseconds:
 * ``loop_idle``: the loop's time waiting in its selector (nothing to run), and
   ``engine_idle``: the engine thread's time waiting for a task.
 
-The wrappers cost ~1 us a call: read differences between ours and the floor, not absolutes.
+With the model runner in a worker process (``--engine-opt distributed_executor_backend=mp``)
+two more points show: the rows of a step reaching their sessions (``rows``), with their copy
+out of the row ring (``ring_read``).
+
+With ``--cpu`` the points take the CPU time of the thread that ran them instead of wall
+time (``time.thread_time``): what each part costs the host, without the time it spent
+waiting for the GIL or the device. The idle points stay wall time, and coroutines (the
+particles' ``draw``) are left out: their thread runs other coroutines while one awaits.
+
+The wrappers cost ~1 us a call (a little more with ``--cpu``): read differences between
+ours and the floor, not absolutes.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/trace_free.py --gpu --tokenizer-dir DIR \\
-        --engine-opt async_scheduling=true --particles 8 64 256
+        --engine-opt async_scheduling=true --particles 8 64 256 \\
+        [--engine-opt distributed_executor_backend=mp] [--cpu]
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -43,30 +55,35 @@ from benchmarks.bench_w1_vllm import decode_loop, lockstep_smc, model_for, parse
 
 TOTALS: collections.Counter = collections.Counter()  # point -> seconds
 CALLS: collections.Counter = collections.Counter()  # point -> calls
+CLOCK = [time.perf_counter]  # what the points measure: wall time, or the thread's CPU time (--cpu)
 
 
-def wrap(owner: object, name: str, point: str) -> None:
-    """Adds the wall time of every call of ``owner.name`` (inclusive) to ``TOTALS[point]``."""
+def wrap(owner: object, name: str, point: str, clock: Any = None) -> None:
+    """Adds the time of every call of ``owner.name`` (inclusive) to ``TOTALS[point]``: wall
+    time, or the calling thread's CPU time under ``--cpu`` (``clock``: this one instead)."""
+    clock = clock or CLOCK[0]
     original = getattr(owner, name, None)
     if original is None:
         return
     if asyncio.iscoroutinefunction(original):
+        if clock is time.thread_time:  # the thread runs other coroutines while one awaits
+            return
         @functools.wraps(original)
         async def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return await original(*args, **kwargs)
             finally:
-                TOTALS[point] += time.perf_counter() - start
+                TOTALS[point] += clock() - start
                 CALLS[point] += 1
     else:
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return original(*args, **kwargs)
             finally:
-                TOTALS[point] += time.perf_counter() - start
+                TOTALS[point] += clock() - start
                 CALLS[point] += 1
     setattr(owner, name, timed)
 
@@ -74,7 +91,7 @@ def wrap(owner: object, name: str, point: str) -> None:
 def install_backend() -> None:
     """Points of ours; before the model is built (its batchers keep the methods they are given)."""
     from genlm_backend import _batch_queue, sampling
-    from genlm_backend.llm import vllm_capture, vllm_freedrive, vllm_freerun
+    from genlm_backend.llm import row_ring, vllm_capture, vllm_freedrive, vllm_freerun
 
     wrap(vllm_capture.LogprobsCaptureProcessor, "apply", "apply")
     wrap(vllm_freerun.FreeSessions, "tokens", "tokens")
@@ -82,7 +99,9 @@ def install_backend() -> None:
     wrap(vllm_freedrive.FreeDriver, "_start_batch", "start_batch")
     wrap(sampling.TokenSampler, "sample", "draw")
     wrap(_batch_queue.LoopQueue, "finish", "rows_to_loop")
-    wrap(selectors.EpollSelector, "select", "loop_idle")
+    wrap(vllm_capture, "deliver_remote", "rows")  # (handed to the engine when it is made)
+    wrap(row_ring.RowRing, "read", "ring_read")
+    wrap(selectors.EpollSelector, "select", "loop_idle", clock=time.perf_counter)
 
 
 def install_engine(engine: object) -> None:
@@ -135,7 +154,9 @@ def measure(lm, fn, thread: threading.Thread, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    args = parse_args([a for a in sys.argv[1:]] + ["--sessions", "free"])
+    if "--cpu" in sys.argv:
+        CLOCK[0] = time.thread_time
+    args = parse_args([a for a in sys.argv[1:] if a != "--cpu"] + ["--sessions", "free"])
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     model_dir, opts = model_for(args)

