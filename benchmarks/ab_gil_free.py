@@ -38,8 +38,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_w1_vllm import decode_loop, lockstep_smc, model_for, parse_args, vocab_size  # noqa: E402
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.bench_w1_vllm import (  # noqa: E402
+    decode_loop,
+    lockstep_smc,
+    model_for,
+    parse_args,
+    parse_opts,
+    vocab_size,
+)
+from benchmarks.common import summarise, write_json  # noqa: E402
 from benchmarks.trace_free import thread_cpu  # noqa: E402
 
 # name -> (switch interval or None, block, yield every k requests, nap seconds)
@@ -63,7 +70,6 @@ def main() -> None:
                               "--engine-opt", "distributed_executor_backend=mp"])
     import vllm.distributed.device_communicators.shm_broadcast as shm
 
-    from benchmarks.bench_w1_vllm import parse_opts
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     model_dir, opts = model_for(args)
@@ -125,10 +131,8 @@ def main() -> None:
         floor_s = statistics.median(r[0] for r in runs["floor"])
         print(f"N={n}")
         for name, measured in runs.items():
-            walls = [r[0] for r in measured]
-            row = {"N": n, "variant": name, "median_s": statistics.median(walls), "min_s": min(walls),
-                   "max_s": max(walls), "ratio": statistics.median(walls) / floor_s,
-                   "loop_cpu_s": statistics.median(r[1] for r in measured),
+            row = {"N": n, "variant": name, **summarise([r[0] for r in measured])}
+            row |= {"ratio": row["median_s"] / floor_s, "loop_cpu_s": statistics.median(r[1] for r in measured),
                    "engine_cpu_s": statistics.median(r[2] for r in measured)}
             rows.append(row)
             print(f"  {name:14s} {row['median_s']:.4f} s ({row['min_s']:.4f}-{row['max_s']:.4f}) "
