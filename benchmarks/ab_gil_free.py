@@ -1,4 +1,5 @@
-"""A/B of how the GIL changes hands, W1 with free sessions over a worker process.
+"""A/B of how the GIL changes hands, and of the compiled hot paths, W1 with free sessions
+over a worker process.
 
 With the model runner in a worker process (``distributed_executor_backend="mp"``) two
 threads of this process share the GIL: the event loop's (the particles) and the engine
@@ -13,8 +14,15 @@ variants change only that, on one engine, alternated within each repeat:
 - ``si<S>``: the same with ``sys.setswitchinterval(S)``;
 - ``block``: the engine thread sleeps on the queue's socket instead of spinning (the queue's
   ``busy_loop_s`` set to 0), optionally with a switch interval;
+- ``nogc``: Python's cyclic garbage collector disabled during the run (what its passes cost);
 - ``yield16``: the event loop gives the GIL away (``os.sched_yield``) every 16 requests;
-- ``nap50us``: the spinning engine thread sleeps 50 us between looks instead of yielding.
+- ``nap50us``: the spinning engine thread sleeps 50 us between looks instead of yielding;
+- ``python``: the compiled hot paths in Python instead: the sessions' take, tokens and
+  futures' resolution (``_free_kernel``) and the prompt checker's extension step
+  (``_prompt_kernel``); ``python_free`` and ``python_prompts``: only one of the two in
+  Python (the other variants use C where it was built).
+
+``--variants`` picks some of them (``floor`` always runs).
 
 Each row prints the wall time, its ratio to ``floor`` and both threads' CPU time per run.
 The particles draw with the shared batched sampler (``--sampler batched``), which hands out
@@ -29,12 +37,14 @@ here; on the H100 with vLLM 0.26 they run as the others.)
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -49,27 +59,50 @@ from benchmarks.bench_w1_vllm import (  # noqa: E402
 from benchmarks.common import summarise, write_json  # noqa: E402
 from benchmarks.trace_free import thread_cpu  # noqa: E402
 
-# name -> (switch interval or None, block, yield every k requests, nap seconds)
+
+class Variant(NamedTuple):
+    interval: float | None = None  # sys.setswitchinterval (None: as it is)
+    block: bool = False  # the engine thread sleeps on the response queue instead of spinning
+    every: int = 0  # the loop yields the GIL every k requests (0: never)
+    nap: float = 0.0  # seconds the spinning engine thread sleeps between looks (0: it yields)
+    free_kernel: bool = True  # the sessions' hot paths in C (where built)
+    prompt_kernel: bool = True  # the prompt checker's extension step in C (where built)
+    gc: bool = True  # Python's cyclic garbage collector runs (False: disabled during the run)
+
+
 VARIANTS = {
-    "base": (None, False, 0, 0.0),
-    "si20ms": (0.02, False, 0, 0.0),
-    "si100ms": (0.1, False, 0, 0.0),
-    "si1ms": (0.001, False, 0, 0.0),
-    "block": (None, True, 0, 0.0),
-    "block_si20ms": (0.02, True, 0, 0.0),
-    "block_si100ms": (0.1, True, 0, 0.0),
-    "block_si1ms": (0.001, True, 0, 0.0),
-    "yield16": (None, False, 16, 0.0),
-    "nap50us": (None, False, 0, 5e-5),
+    "base": Variant(),
+    "python": Variant(free_kernel=False, prompt_kernel=False),
+    "python_free": Variant(free_kernel=False),
+    "python_prompts": Variant(prompt_kernel=False),
+    "nogc": Variant(gc=False),
+    "si20ms": Variant(interval=0.02),
+    "si100ms": Variant(interval=0.1),
+    "si1ms": Variant(interval=0.001),
+    "block": Variant(block=True),
+    "block_si20ms": Variant(0.02, True),
+    "block_si100ms": Variant(0.1, True),
+    "block_si1ms": Variant(0.001, True),
+    "yield16": Variant(every=16),
+    "nap50us": Variant(nap=5e-5),
 }
 
 
 def main() -> None:
     argv = sys.argv[1:] if "--sampler" in sys.argv else sys.argv[1:] + ["--sampler", "batched"]
+    chosen = list(VARIANTS)
+    if "--variants" in argv:  # (bench_w1_vllm's parser does not know it)
+        at = argv.index("--variants")
+        end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
+        chosen, argv = argv[at + 1:end], argv[:at] + argv[end:]
+        unknown = set(chosen) - set(VARIANTS)
+        if unknown:
+            raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     args = parse_args(argv + ["--sessions", "free", "--engine-opt", "async_scheduling=true",
                               "--engine-opt", "distributed_executor_backend=mp"])
     import vllm.distributed.device_communicators.shm_broadcast as shm
 
+    from genlm_backend.llm import prompts
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     model_dir, opts = model_for(args)
@@ -84,8 +117,16 @@ def main() -> None:
     conditions = [q._spin_condition for q in queues if getattr(q, "_spin_condition", None) is not None]
     thread, yield_now = lm._engine_thread._thread, shm.sched_yield
 
-    def ours(n: int, interval: float | None, block: bool, every: int, nap: float):
+    sessions, prompt_kernel = lm._free.sessions, prompts.KERNEL
+
+    def ours(n: int, variant: Variant):
+        interval, block, every, nap = variant.interval, variant.block, variant.every, variant.nap
+
         def run() -> None:
+            sessions.use_kernel(variant.free_kernel)
+            prompts.KERNEL = prompt_kernel if variant.prompt_kernel else None
+            if not variant.gc:
+                gc.disable()
             previous, busy, direct = sys.getswitchinterval(), [c.busy_loop_s for c in conditions], lm._direct
             if interval:
                 sys.setswitchinterval(interval)
@@ -113,12 +154,15 @@ def main() -> None:
                     condition.busy_loop_s = value
                 lm.__dict__.pop("_direct", None)
                 shm.sched_yield = yield_now
+                sessions.use_kernel(True)
+                prompts.KERNEL = prompt_kernel
+                gc.enable()
         return run
 
     rows = []
     for n in args.particles:
         variants = {"floor": lambda n=n: decode_loop(llm, prompt, n, args.steps)}
-        variants.update({name: ours(n, *spec) for name, spec in VARIANTS.items()})
+        variants.update({name: ours(n, VARIANTS[name]) for name in chosen})
         runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in variants}
         for fn in variants.values():
             fn()  # warm-up
@@ -139,8 +183,9 @@ def main() -> None:
                   f"x{row['ratio']:.3f} loop_cpu {row['loop_cpu_s']:.4f} engine_cpu {row['engine_cpu_s']:.4f}",
                   flush=True)
     lm.cleanup()
-    print("wrote", write_json("ab_gil_free", {"config": vars(args) | {"model_dir": str(model_dir)}, "rows": rows},
-                              args.out_dir))
+    config = vars(args) | {"model_dir": str(model_dir), "variants": chosen, "kernels": {
+        "free": sessions.kernel, "prompts": prompt_kernel is not None}}
+    print("wrote", write_json("ab_gil_free", {"config": config, "rows": rows}, args.out_dir))
 
 
 if __name__ == "__main__":

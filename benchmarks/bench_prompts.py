@@ -1,10 +1,11 @@
-"""The prompt checker's cost per request in lockstep sampling, with and without its C passes.
+"""The prompt checker's cost per request in lockstep sampling, with and without its C kernel.
 
 Every step each of N particles sends its context, one token longer than the step before;
 ``PromptChecker.request`` finds the earlier request and builds the new one on it. This times
 those calls (N contexts of ``--context`` tokens, ids of a 131k vocabulary, ``--steps`` steps,
-the best step of each run) with the optional compiled passes (``_prompt_kernel``: two passes
-over the prompt) and with the Python ones (four passes), alternating, and reports
+the best step of each run) with the optional compiled kernel (``_prompt_kernel``: the whole
+extension step in one call, two passes over the prompt) and with the Python route (four
+passes), alternating, and reports
 microseconds a request. Reference: the Python route, in the same process.
 
     python benchmarks/bench_prompts.py [--particles 256] [--context 160] [--runs 15]

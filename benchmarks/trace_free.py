@@ -13,8 +13,9 @@ and prints, per engine step, in microseconds:
 * the time inside each wrapped point (inclusive wall time on the thread that ran it):
   vLLM's ``step`` and its parts (``schedule``, ``execute_model``, ``sample_tokens``,
   ``update_from_output``, ``process_outputs``), the capture processor's ``apply``, the token
-  tap's ``tokens``, the start of a batch (``start_batch``), requests taking their rows
-  without a batch (``take``, on the loop), the particles' draws (``draw``)
+  tap's ``tokens``, the start of a batch (``start_batch``), the prompt checks
+  (``request``, on the loop), requests taking their rows without a batch (``take``, on the
+  loop), the particles' draws (``draw``)
   and the rows reaching the loop (``rows_to_loop``);
 * ``loop_idle``: the loop's time waiting in its selector (nothing to run), and
   ``engine_idle``: the engine thread's time waiting for a task.
@@ -27,6 +28,11 @@ With ``--cpu`` the points take the CPU time of the thread that ran them instead 
 time (``time.thread_time``): what each part costs the host, without the time it spent
 waiting for the GIL or the device. The idle points stay wall time, and coroutines (the
 particles' ``draw``) are left out: their thread runs other coroutines while one awaits.
+
+``ours`` runs the sessions' hot paths (take, tokens, the futures' resolution) in C where
+``_free_kernel`` was built, and the prompt checks' extension step in C where
+``_prompt_kernel`` was; ``python`` is the same run with both in Python, alternated with the
+others (its column is left out without the free-session kernel).
 
 The wrappers cost ~1 us a call (a little more with ``--cpu``): read differences between
 ours and the floor, not absolutes.
@@ -91,11 +97,15 @@ def wrap(owner: object, name: str, point: str, clock: Any = None) -> None:
 def install_backend() -> None:
     """Points of ours; before the model is built (its batchers keep the methods they are given)."""
     from genlm_backend import _batch_queue, sampling
-    from genlm_backend.llm import row_ring, vllm_capture, vllm_freedrive, vllm_freerun
+    from genlm_backend.llm import prompts, row_ring, vllm_capture, vllm_freedrive, vllm_freerun
 
     wrap(vllm_capture.LogprobsCaptureProcessor, "apply", "apply")
     wrap(vllm_freerun.FreeSessions, "tokens", "tokens")
     wrap(vllm_freerun.FreeSessions, "take", "take")
+    wrap(prompts.PromptChecker, "request", "request")
+    if vllm_freerun.KERNEL is not None:  # (FreeSessions.use_kernel binds them when the model is built)
+        wrap(vllm_freerun.KERNEL, "tokens", "tokens")
+        wrap(vllm_freerun.KERNEL, "take", "take")
     wrap(vllm_freedrive.FreeDriver, "_start_batch", "start_batch")
     wrap(sampling.TokenSampler, "sample", "draw")
     wrap(_batch_queue.LoopQueue, "finish", "rows_to_loop")
@@ -172,28 +182,42 @@ def main() -> None:
     prompt = [100 + i % (lm.vocab_size - 100) for i in range(args.prompt_len)]
     sampler = args.sampler
 
-    def ours(n: int):
+    from genlm_backend.llm import prompts
+
+    sessions, prompt_kernel = lm._free.sessions, prompts.KERNEL
+    kernel = sessions.kernel
+
+    def ours(n: int, use_kernel: bool = True):
         def run() -> None:
-            asyncio.run(lockstep_smc(lm, prompt, n, args.steps, 0, sampler))
-            lm.close_sessions()
+            sessions.use_kernel(use_kernel)
+            prompts.KERNEL = prompt_kernel if use_kernel else None
+            try:
+                asyncio.run(lockstep_smc(lm, prompt, n, args.steps, 0, sampler))
+                lm.close_sessions()
+            finally:
+                sessions.use_kernel(True)
+                prompts.KERNEL = prompt_kernel
         return run
 
     def floor(n: int):
         return lambda: lm._engine_thread.submit(decode_loop, llm, prompt, n, args.steps).result()
 
+    variants = {"ours": ours, "floor": floor}
+    if kernel:
+        variants = {"ours": ours, "python": lambda n: ours(n, use_kernel=False), "floor": floor}
     for n in args.particles:
-        results: dict[str, list[dict]] = {"ours": [], "floor": []}
-        for name, make in (("ours", ours), ("floor", floor)):
+        results: dict[str, list[dict]] = {name: [] for name in variants}
+        for make in variants.values():
             make(n)()  # warm-up
         for _ in range(args.repeats):
-            for name, make in (("ours", ours), ("floor", floor)):
+            for name, make in variants.items():
                 results[name].append(measure(lm, make(n), thread, args.steps))
         keys = list(dict.fromkeys(k for runs in results.values() for r in runs for k in r))
         print(f"\nN={n}, T={args.steps}: microseconds per step (median of {args.repeats})")
-        print(f"  {'':20s} {'ours':>9s} {'floor':>9s}")
+        print(f"  {'':20s} " + " ".join(f"{name:>9s}" for name in variants))
         for key in keys:
-            values = [statistics.median(r.get(key, 0.0) for r in results[name]) for name in ("ours", "floor")]
-            print(f"  {key:20s} {values[0]:9.1f} {values[1]:9.1f}")
+            values = [statistics.median(r.get(key, 0.0) for r in results[name]) for name in variants]
+            print(f"  {key:20s} " + " ".join(f"{v:9.1f}" for v in values))
         sys.stdout.flush()
     lm.cleanup()
 

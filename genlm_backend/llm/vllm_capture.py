@@ -317,8 +317,13 @@ def deliver_remote(parts: list[tuple[str, list[int], Any]], ring: Any = None) ->
         if sink is None:
             continue
         rows = ring.read(*where) if type(where) is tuple else torch.tensor(where)
+        follower = sink._followers.get  # (a followed tag's row goes straight to its target)
         for tag, row in zip(tags, rows.unbind(0)):
-            sink.receive(tag, row)
+            target = follower(tag)
+            if target is not None:
+                target(row)
+            else:
+                sink.receive(tag, row)
 
 
 class ForcedSampling:

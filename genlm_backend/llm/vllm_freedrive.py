@@ -103,7 +103,7 @@ class FreeDriver:
         if on:
             if not self._tap_installed:
                 self._tap_installed = vllm_internals.install_token_tap(
-                    self._llm.llm_engine, FREE_KEY, self.sessions.tokens, lambda: self.sessions.running)
+                    self._llm.llm_engine, FREE_KEY, self._tokens, lambda: self.sessions.running)
             if not self._tap_installed:
                 raise ValueError("free-running sessions need the scheduler's update_from_output, which this "
                                  f"vLLM lacks (checked versions: {vllm_internals.CHECKED_VERSIONS})")
@@ -111,6 +111,9 @@ class FreeDriver:
         else:
             self.on = self.sessions.enabled = False
             self.close_all()
+
+    def _tokens(self, found: list) -> None:
+        self.sessions.tokens(found)  # (looked up each step: see FreeSessions.use_kernel)
 
     def close_where(self, predicate: Callable[[Any], bool]) -> int:
         """Stops the sessions matching ``predicate``; requests waiting on them get new ones."""

@@ -328,3 +328,68 @@ def test_the_prompt_check_benchmark_runs_and_reports_what_it_measured(tmp_path):
     assert len(runs["kernel"]) == len(runs["python"]) == 3 and min(runs["kernel"] + runs["python"]) > 0
     assert row["kernel_us"] == statistics.median(runs["kernel"]) and row["python_us"] == statistics.median(runs["python"])
     assert row["ratio"] == pytest.approx(statistics.median(k / p for k, p in zip(runs["kernel"], runs["python"])))
+
+
+@pytest.mark.parametrize("remember, min_remember", [(200, 16), (30, 64)])
+def test_the_kernel_extension_takes_the_python_steps(monkeypatch, remember, min_remember):
+    """``_prompt_kernel.extension`` against ``PromptChecker._extension``: the same random
+    workload (lockstep contexts, laggards, restarts, adapters, repeated prompts, generations
+    that turn over) gives the same requests, linked to the same parents and shared where
+    equal, and the same generations, through either route."""
+    import random
+
+    from genlm_backend.llm import prompts
+
+    kernel = _kernel()
+
+    def run(use_kernel):
+        monkeypatch.setattr(prompts, "KERNEL", kernel if use_kernel else None)
+        rng = random.Random(11)
+        checker = PromptChecker(V, max_len=24, remember=remember, min_remember=min_remember)
+        made: list[LogprobsRequest] = []
+        record = []
+        contexts = [([rng.randrange(V) for _ in range(rng.randint(1, 8))], rng.choice([None, "a", "b"]))
+                    for _ in range(40)]
+        for step in range(30):
+            for i, (context, lora) in enumerate(contexts):
+                roll = rng.random()
+                if roll < 0.1:
+                    continue  # a laggard this step
+                if roll < 0.13:
+                    contexts[i] = context, lora = [rng.randrange(V) for _ in range(3)], lora  # a restart
+                elif roll < 0.16 and i:
+                    contexts[i] = context, lora = list(contexts[i - 1][0]), contexts[i - 1][1]  # a copy
+                else:
+                    context.append(rng.randrange(V))
+                try:
+                    request = checker.request(context, lora)
+                except InvalidRequestError:
+                    record.append(("refused", len(context)))
+                    continue
+                same = next((k for k, r in enumerate(made) if r is request), None)
+                parent = next((k for k, r in enumerate(made) if r is request.parent), None)
+                record.append((request.token_ids, request.lora_name, same, parent, hash(request)))
+                if same is None:
+                    made.append(request)
+            record.append((len(checker._new), len(checker._old), len(checker._older)))
+        return record
+
+    python, compiled = run(False), run(True)
+    assert python == compiled
+    assert any(r[3] is not None for r in python if len(r) == 5)  # extensions found their parents
+    assert any(r[0] == "refused" for r in python)  # and the length limit was reached
+
+
+def test_kernel_tuples_of_ints_are_left_to_reference_counting():
+    """A request's tuple of plain ints can be in no reference cycle: the kernel untracks it
+    (the collector would visit every id once to find that out); a tuple holding anything
+    else stays tracked."""
+    import gc
+
+    kernel = _kernel()
+    assert not gc.is_tracked(kernel.extend((1, 2), [1, 2, 3]))
+    assert gc.is_tracked(kernel.extend((1, 2), [1, 2, [3]]))
+    assert gc.is_tracked(kernel.extend((1, 2), [1.0, 2, 3]))  # equal, but read as the caller's
+    checker = PromptChecker(V, max_len=None)
+    checker.request([1, 2, 3], None)
+    assert not gc.is_tracked(checker.request([1, 2, 3, 4], None).token_ids)
