@@ -15,6 +15,8 @@ variants change only that, on one engine, alternated within each repeat:
 - ``block``: the engine thread sleeps on the queue's socket instead of spinning (the queue's
   ``busy_loop_s`` set to 0), optionally with a switch interval;
 - ``nogc``: Python's cyclic garbage collector disabled during the run (what its passes cost);
+  ``gc_rare``: the young generation's threshold 100000 instead of 700 during the run (a
+  freeze is left out: it cannot be undone for one variant, vLLM froze its heap at start);
 - ``yield16``: the event loop gives the GIL away (``os.sched_yield``) every 16 requests;
 - ``nap50us``: the spinning engine thread sleeps 50 us between looks instead of yielding;
 - ``python``: the compiled hot paths in Python instead: the sessions' take, tokens and
@@ -68,6 +70,7 @@ class Variant(NamedTuple):
     free_kernel: bool = True  # the sessions' hot paths in C (where built)
     prompt_kernel: bool = True  # the prompt checker's extension step in C (where built)
     gc: bool = True  # Python's cyclic garbage collector runs (False: disabled during the run)
+    gc_threshold: int = 0  # the collector's young threshold during the run (0: as it is)
 
 
 VARIANTS = {
@@ -76,6 +79,7 @@ VARIANTS = {
     "python_free": Variant(free_kernel=False),
     "python_prompts": Variant(prompt_kernel=False),
     "nogc": Variant(gc=False),
+    "gc_rare": Variant(gc_threshold=100_000),
     "si20ms": Variant(interval=0.02),
     "si100ms": Variant(interval=0.1),
     "si1ms": Variant(interval=0.001),
@@ -125,8 +129,11 @@ def main() -> None:
         def run() -> None:
             sessions.use_kernel(variant.free_kernel)
             prompts.KERNEL = prompt_kernel if variant.prompt_kernel else None
+            thresholds = gc.get_threshold()
             if not variant.gc:
                 gc.disable()
+            if variant.gc_threshold:
+                gc.set_threshold(variant.gc_threshold, *thresholds[1:])
             previous, busy, direct = sys.getswitchinterval(), [c.busy_loop_s for c in conditions], lm._direct
             if interval:
                 sys.setswitchinterval(interval)
@@ -157,6 +164,7 @@ def main() -> None:
                 sessions.use_kernel(True)
                 prompts.KERNEL = prompt_kernel
                 gc.enable()
+                gc.set_threshold(*thresholds)
         return run
 
     rows = []
