@@ -8,8 +8,8 @@ that request (``parent``), so a backend can find what it keeps for the earlier c
 
 The extension step runs in C where the optional extension ``_prompt_kernel`` was built (see
 ``setup.py``): one call, with two passes over the prompt instead of four, so a 160-token
-prompt's request costs about 1.9 us instead of 3.3 (this project's CPU, Python 3.11; 2.2 us
-with only the passes in C). Without the extension, or where it disagrees with the built-in
+prompt's request costs about 1.8 us instead of 3.3 (this project's CPU, Python 3.11; 2.1 us
+with only the passes in C; ``benchmarks/bench_prompts.py``). Without the extension, or where it disagrees with the built-in
 hash at import, the step runs in Python.
 """
 
