@@ -17,6 +17,14 @@ variants change only that, on one engine, alternated within each repeat:
 - ``nogc``: Python's cyclic garbage collector disabled during the run (what its passes cost);
   ``gc_rare``: the young generation's threshold 100000 instead of 700 during the run (a
   freeze is left out: it cannot be undone for one variant, vLLM froze its heap at start);
+- ``pin_follow``: the engine thread alone, moved before each step to the core the loop's
+  thread last ran on; ``share_core``: the backend's own ``share_core=True``
+  (:mod:`genlm_backend.llm.core_sharing`: the loop's core, joined where the sessions start
+  and the engine steps, released when they are closed);
+- ``pin_same``: the event loop's thread and the engine thread pinned to one core (the GIL
+  lets one run at a time; objects both touch then stay in that core's caches);
+  ``pin_apart``: pinned to two cores; ``pin_engine``: only the engine thread pinned, to the
+  core the loop's thread runs on when the run starts;
 - ``yield16``: the event loop gives the GIL away (``os.sched_yield``) every 16 requests;
 - ``nap50us``: the spinning engine thread sleeps 50 us between looks instead of yielding;
 - ``python``: the compiled hot paths in Python instead: the sessions' take, tokens and
@@ -39,6 +47,7 @@ here; on the H100 with vLLM 0.26 they run as the others.)
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import os
 import random
@@ -71,6 +80,11 @@ class Variant(NamedTuple):
     prompt_kernel: bool = True  # the prompt checker's extension step in C (where built)
     gc: bool = True  # Python's cyclic garbage collector runs (False: disabled during the run)
     gc_threshold: int = 0  # the collector's young threshold during the run (0: as it is)
+    # "same": the loop's and the engine thread pinned to one core; "apart": to two; "engine":
+    # the engine thread alone, to the core the loop's thread is on at the run's start;
+    # "follow": the engine thread alone, moved before each step to the loop thread's core
+    # (as the loop last saw it, when it took a step's rows)
+    pin: str = ""
 
 
 VARIANTS = {
@@ -80,6 +94,11 @@ VARIANTS = {
     "python_prompts": Variant(prompt_kernel=False),
     "nogc": Variant(gc=False),
     "gc_rare": Variant(gc_threshold=100_000),
+    "pin_same": Variant(pin="same"),
+    "pin_apart": Variant(pin="apart"),
+    "pin_engine": Variant(pin="engine"),
+    "pin_follow": Variant(pin="follow"),
+    "share_core": Variant(pin="library"),
     "si20ms": Variant(interval=0.02),
     "si100ms": Variant(interval=0.1),
     "si1ms": Variant(interval=0.001),
@@ -107,6 +126,7 @@ def main() -> None:
     import vllm.distributed.device_communicators.shm_broadcast as shm
 
     from genlm_backend.llm import prompts
+    from genlm_backend.llm.core_sharing import SharedCore
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     model_dir, opts = model_for(args)
@@ -121,7 +141,23 @@ def main() -> None:
     conditions = [q._spin_condition for q in queues if getattr(q, "_spin_condition", None) is not None]
     thread, yield_now = lm._engine_thread._thread, shm.sched_yield
 
-    sessions, prompt_kernel = lm._free.sessions, prompts.KERNEL
+    sessions, prompt_kernel, driver, libc = lm._free.sessions, prompts.KERNEL, lm._free, ctypes.CDLL(None)
+
+    def follow() -> None:
+        """The engine thread moves to the loop thread's core before each step."""
+        seen, pinned, resolve, pump = [None], [None], sessions._resolve, driver._pump
+
+        def resolve_here(group):  # on the loop
+            seen[0] = libc.sched_getcpu()
+            resolve(group)
+
+        def pump_there() -> None:  # on the engine thread
+            if seen[0] is not None and seen[0] != pinned[0]:
+                os.sched_setaffinity(0, {seen[0]})
+                pinned[0] = seen[0]
+            pump()
+
+        sessions._resolve, driver._pump = resolve_here, pump_there
 
     def ours(n: int, variant: Variant):
         interval, block, every, nap = variant.interval, variant.block, variant.every, variant.nap
@@ -129,7 +165,19 @@ def main() -> None:
         def run() -> None:
             sessions.use_kernel(variant.free_kernel)
             prompts.KERNEL = prompt_kernel if variant.prompt_kernel else None
-            thresholds = gc.get_threshold()
+            thresholds, cores = gc.get_threshold(), os.sched_getaffinity(0)
+            if variant.pin == "engine":
+                here = {libc.sched_getcpu()}
+                lm._engine_thread.submit(os.sched_setaffinity, 0, here).result()
+            elif variant.pin == "follow":
+                follow()
+            elif variant.pin == "library":  # as AsyncVirtualLM(share_core=True) does it
+                driver._sharing = SharedCore()
+            elif variant.pin:
+                first, second = sorted(cores)[:2]
+                os.sched_setaffinity(0, {first})  # (Linux: this thread only)
+                engine_core = {first} if variant.pin == "same" else {second}
+                lm._engine_thread.submit(os.sched_setaffinity, 0, engine_core).result()
             if not variant.gc:
                 gc.disable()
             if variant.gc_threshold:
@@ -165,6 +213,12 @@ def main() -> None:
                 prompts.KERNEL = prompt_kernel
                 gc.enable()
                 gc.set_threshold(*thresholds)
+                if variant.pin == "library":
+                    driver._sharing = None
+                if variant.pin:
+                    vars(driver).pop("_pump", None)
+                    os.sched_setaffinity(0, cores)
+                    lm._engine_thread.submit(os.sched_setaffinity, 0, cores).result()
         return run
 
     rows = []

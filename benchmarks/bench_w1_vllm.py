@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
     plain = start_plain_floor(args, model_dir, engine_opts, prompt)  # first: ours then finds its share free
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n,
-                                  session_lookahead=args.session_lookahead)
+                                  session_lookahead=args.session_lookahead, share_core=args.share_core)
     if args.sessions == "free":  # (ours: free-running sessions; best with async_scheduling=true)
         lm.set_sessions("free")
     if args.gc_freeze:  # what vLLM does at engine start, once more after the backend's own setup
@@ -357,6 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sampler", choices=SAMPLERS, default="multinomial",
                         help="how a particle draws its token from the row (client-side cost)")
+    parser.add_argument("--share-core", action="store_true",
+                        help="AsyncVirtualLM(share_core=True): the loop's and the engine thread on one core "
+                             "while free sessions run")
     parser.add_argument("--session-lookahead", type=int, default=1,
                         help="engine steps ahead of the particles after each wake-up (--sessions free; 0: none)")
     parser.add_argument("--sessions", choices=("on", "off", "both", "free"), default="both",

@@ -31,6 +31,7 @@ import torch
 from .._batch_queue import call_when_idle
 from ..exceptions import EngineError
 from . import vllm_internals
+from .core_sharing import SharedCore
 from .prompts import LogprobsRequest
 from .vllm_engine import RowBatch, _invalid
 from .vllm_freerun import FREE_KEY, FreeSessions
@@ -50,11 +51,13 @@ class FreeDriver:
         capacity, lookahead, max_ahead, idle_batches: see :class:`FreeSessions`.
         max_wait: seconds after which waiting requests get their step although the event
             loop never ran out of other work (as the batcher's ``timeout``).
+        share_core: pin the event loop's thread and the engine thread to one core while
+            sessions run (:mod:`.core_sharing`); released when they are all closed.
     """
 
     def __init__(self, llm: Any, runner: Any, sink: Any, engine_thread: Any,
                  lora_request: Callable[[str | None], Any], capacity: int, lookahead: int, max_ahead: int,
-                 idle_batches: int, max_wait: float):
+                 idle_batches: int, max_wait: float, share_core: bool = False):
         self._llm, self._runner, self._sink, self._thread = llm, runner, sink, engine_thread
         self._lora_request, self._max_wait = lora_request, max_wait
         max_model_len = llm.llm_engine.model_config.max_model_len
@@ -65,6 +68,7 @@ class FreeDriver:
         self._pump_queued = self._tap_installed = False
         self._tickets = 0  # engine steps granted (engine thread only)
         self._probing: set[asyncio.AbstractEventLoop] = set()  # loops with an idle probe queued
+        self._sharing = SharedCore() if share_core else None
         import vllm  # (only here: this module is imported where vLLM is)
 
         self._params = vllm.SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, detokenize=False,
@@ -87,10 +91,14 @@ class FreeDriver:
 
     def _loop_idle(self, loop: asyncio.AbstractEventLoop) -> None:
         self._probing.discard(loop)
+        if self._sharing is not None:
+            self._sharing.join()
         self._thread.submit(self._wake)
 
     def evaluate(self, requests: list[LogprobsRequest]) -> asyncio.Future:
         """A batch of requests; returns a future of their rows."""
+        if self._sharing is not None:
+            self._sharing.join()
         batch = RowBatch(asyncio.get_running_loop(), len(requests))
         self._thread.submit(self._start_batch, requests, batch)
         return batch.future
@@ -122,14 +130,21 @@ class FreeDriver:
         return closed
 
     def close_all(self) -> int:
-        return self.close_where(lambda s: True)
+        closed = self.close_where(lambda s: True)
+        if self._sharing is not None:
+            self._sharing.release()
+        return closed
 
     def detach(self) -> None:
         """The model is closing: fails every waiting request, never steps the engine again."""
         self.sessions.fail_all(lambda: EngineError("the model was closed"))
         self._llm = None
+        if self._sharing is not None:
+            self._sharing.release()
 
     def _start_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
+        if self._sharing is not None:
+            self._sharing.join()
         try:
             self.sessions.start_batch(requests, batch)
         except BaseException as exc:  # noqa: BLE001 - fails this batch only
@@ -166,6 +181,8 @@ class FreeDriver:
         if self._llm is None or not self.sessions.running:
             self._tickets = 0
             return
+        if self._sharing is not None:
+            self._sharing.join()
         self._tickets -= 1
         step = self.sessions.begin_step()
         try:

@@ -189,3 +189,49 @@ async def test_free_sessions_in_a_worker_equal_a_forward_pass(worker_lm, hf_refe
     assert after["num_opened"] - before["num_opened"] == 5  # one engine request per particle
     assert after["num_extended"] - before["num_extended"] == 35  # every later step took a running row
     assert sampler.num_offered == 40  # every draw was the engine's
+
+
+async def test_free_sessions_on_one_shared_core(tiny_model_dirs, hf_reference):
+    """``share_core=True``: while free sessions run, the event loop's thread and the engine
+    thread are pinned to one core (the loop's); closing the sessions gives both their cores
+    back. Rows are exact as without it."""
+    import os
+
+    from genlm_backend.llm import core_sharing
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+    from genlm_backend.sampling import TokenSampler
+
+    if not core_sharing.available():
+        pytest.skip("pins threads one by one: Linux only")
+    before = os.sched_getaffinity(0)
+    lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]), sessions="free", share_core=True,
+                                  engine_opts={**ENGINE_OPTS, "distributed_executor_backend": "mp"})
+    engine_tid = lm._engine_thread._thread.native_id
+    engine_before = os.sched_getaffinity(engine_tid)
+    try:
+        sampler, seen, pinned = TokenSampler(seed=5), [], []
+        contexts = prompts_of([4, 11, 23], seed=78)
+        for _ in range(4):
+            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            pinned.append((os.sched_getaffinity(0), os.sched_getaffinity(engine_tid)))
+            seen += zip(contexts, rows)
+            contexts = [c + [await sampler.sample(r)] for c, r in zip(contexts, rows)]
+        for context, row in seen:
+            assert_matches(row, hf_reference("base", context))
+        assert all(len(loop) == 1 and loop == engine for loop, engine in pinned)
+        assert lm.stats()["free_sessions"]["num_direct"] == 9  # steps 2-4 took running rows
+        lm.close_sessions()
+        assert os.sched_getaffinity(0) == before and os.sched_getaffinity(engine_tid) == engine_before
+    finally:
+        lm.cleanup()
+        os.sched_setaffinity(0, before)
+    assert os.sched_getaffinity(0) == before
+
+
+def test_share_core_is_refused_where_the_forward_pass_runs_in_this_process(vlm):
+    """On a CPU engine without worker processes the engine thread computes the forward pass
+    itself: one core would be all it gets."""
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    with pytest.raises(ValueError, match="forward pass"):
+        AsyncVirtualLM(vlm.underlying_model, share_core=True)
