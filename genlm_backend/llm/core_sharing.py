@@ -50,16 +50,21 @@ class SharedCore:
         return thread_id in self._before
 
     def join(self) -> None:
-        """Pins the calling thread to the shared core (the first thread's current core)."""
+        """Pins the calling thread to the shared core (the first thread's current core).
+        Where the system refuses (the core left this process's CPU set), the thread stays
+        as it is: sharing a core is an optimisation, never a reason for a request to fail."""
         tid = threading.get_native_id()
         if tid in self._before:
             return
         with self._lock:
-            allowed = os.sched_getaffinity(0)  # (Linux: this thread's)
-            if self.core is None or self.core not in allowed:
-                here = _current_cpu()
-                self.core = here if here in allowed else min(allowed)
-            os.sched_setaffinity(0, {self.core})
+            try:
+                allowed = os.sched_getaffinity(0)  # (Linux: this thread's)
+                if self.core is None or self.core not in allowed:
+                    here = _current_cpu()
+                    self.core = here if here in allowed else min(allowed)
+                os.sched_setaffinity(0, {self.core})
+            except OSError:
+                return
             self._before[tid] = allowed
 
     def release(self) -> None:

@@ -103,3 +103,21 @@ def test_after_a_release_the_next_joiner_chooses_the_core_again():
 
     (first, second), _ = in_thread(run)
     assert (first, second) == (cores[0], cores[1])
+
+
+def test_a_refused_pin_leaves_the_thread_as_it_was(monkeypatch):
+    """The system may refuse a core (it left the process's CPU set): the thread keeps its
+    cores, and nothing is raised at the request that happened to join."""
+    def refuse(pid, cores):
+        raise OSError(22, "Invalid argument")
+
+    def run():
+        before = os.sched_getaffinity(0)
+        sharing = SharedCore()
+        monkeypatch.setattr(os, "sched_setaffinity", refuse)
+        sharing.join()
+        monkeypatch.undo()
+        return before, os.sched_getaffinity(0), threading.get_native_id() in sharing
+
+    (before, after, joined), _ = in_thread(run)
+    assert before == after and not joined
