@@ -135,9 +135,7 @@ class FreeSessions:
         self._outbox: list[tuple[asyncio.Future, Any]] = []  # results for futures, sent by _send
         self.num_opened = self.num_extended = self.num_missed = self.num_closed = self.num_ahead_stops = 0
         self.num_direct = 0  # requests that took their row without a batch (take)
-        self.kernel = False
-        self._resolve = _resolve
-        self.use_kernel(use_kernel)
+        self.use_kernel(use_kernel)  # (sets ``kernel`` and ``_resolve``)
 
     def __len__(self) -> int:
         return len(self._by_tag)
