@@ -3,8 +3,7 @@
 ``optional=True``: where no C compiler is found, or a build fails, setuptools prints a
 warning and installs the package without it. Without the trie kernel
 ``ParallelTokenCharacterTrie`` uses its torch path on the CPU (``genlm_backend/trie/_compiled.py``);
-without the prompt kernel the prompt checker uses Python (``genlm_backend/llm/prompts.py``);
-without the free-session kernel free-running sessions use Python (``genlm_backend/llm/vllm_freerun.py``).
+without the prompt kernel the prompt checker uses Python (``genlm_backend/llm/prompts.py``).
 An editable install builds them in place (``*.so`` beside their sources, git-ignored): after
 editing a ``.c`` file, rerun ``pip install --no-deps -e .``.
 """
@@ -28,12 +27,6 @@ setup(
         Extension(
             "genlm_backend.llm._prompt_kernel",
             sources=["genlm_backend/llm/_prompt_kernel.c"],
-            extra_compile_args=compile_args,
-            optional=True,
-        ),
-        Extension(
-            "genlm_backend.llm._free_kernel",
-            sources=["genlm_backend/llm/_free_kernel.c"],
             extra_compile_args=compile_args,
             optional=True,
         ),

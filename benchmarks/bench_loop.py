@@ -8,10 +8,6 @@ answers each batch from stored rows on its engine thread (as the vLLM backend do
 goes to the engine thread, its rows come back through ``call_soon_threadsafe``), rows are
 short (``--vocab``) so the draws' arithmetic is negligible.
 
-``free``: the same particles on free-running sessions (``FreeLM``): after the first step
-each request takes its row without a batch, as ``sessions="free"`` hands rows out, and
-draws the token offered with it.
-
 Reference: ``bare`` is the least any asyncio design can pay for the same shape, two awaited
 futures per particle-step resolved in batches when the loop is idle, with no validation,
 no batcher and no draw.
@@ -28,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,9 +35,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import print_table, summarise, write_json  # noqa: E402
 from benchmarks.particles import ParticleDraws  # noqa: E402
-from genlm_backend._batch_queue import call_when_idle  # noqa: E402
 from genlm_backend.llm.base import AsyncLM  # noqa: E402
-from genlm_backend.llm.vllm_freerun import FreeSessions  # noqa: E402
 
 
 class InstantLM(AsyncLM):
@@ -77,52 +69,6 @@ class InstantLM(AsyncLM):
 
         self._engine_thread.submit(evaluate)
         return future
-
-
-class FreeLM(InstantLM):
-    """Free-running sessions (``sessions="free"``) with an engine that takes no time: the
-    backend's own :class:`~genlm_backend.llm.vllm_freerun.FreeSessions` on the loop's side
-    (the batch that opens the sessions, then requests taking their rows without a batch),
-    and an engine step on the engine thread that captures one row per running session and
-    draws token 0 from it, once the loop is idle, for as long as requests wait."""
-
-    def __init__(self, vocab_size: int, evict_mb: int = 0):
-        super().__init__(vocab_size, evict_mb)
-        self.targets: dict[int, Any] = {}
-        tags = itertools.count()
-        self.pool = FreeSessions(lambda session, ids, lora: None, tags.__next__, lambda ids: None,
-                                 self.targets.__setitem__, self.targets.pop, max_model_len=10**6, capacity=4096)
-        self.probing = False
-
-    def _direct(self, request):
-        taken = self.pool.take(request)
-        if taken is not None and type(taken) is not torch.Tensor and not self.probing:
-            self.probing = True
-            call_when_idle(asyncio.get_running_loop(), self._loop_idle, 0.02)
-        return taken
-
-    def _loop_idle(self) -> None:
-        self.probing = False
-        self._engine_thread.submit(self._step)
-
-    def _evaluate_logprobs(self, requests):
-        batch = _Batch(asyncio.get_running_loop(), len(requests))
-
-        def start() -> None:
-            self.pool.start_batch(requests, batch)
-            self._step()
-
-        self._engine_thread.submit(start)
-        return batch.future
-
-    def _step(self) -> None:
-        if not self.pool.has_waiting():
-            return
-        self.evict()
-        tags = list(self.targets)
-        for tag, row in zip(tags, self.rows[torch.arange(len(tags)) % 256].unbind(0)):
-            self.targets[tag](row)
-        self.pool.tokens([(tag, [0]) for tag in tags])
 
 
 class _Batch:
@@ -193,14 +139,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lm, free = InstantLM(args.vocab, args.evict_mb), FreeLM(args.vocab, args.evict_mb)
+    lm = InstantLM(args.vocab, args.evict_mb)
     prompt = [random.Random(0).randrange(args.vocab) for _ in range(args.context)]
     rows = []
     for n in args.particles:
         variants = {"bare": lambda: bare(n, args.steps)}
         for sampler in args.samplers:
             variants[sampler] = lambda sampler=sampler: lockstep(lm, prompt, n, args.steps, sampler)
-        variants["free"] = lambda: lockstep(free, prompt, n, args.steps, "batched")
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats + 1):  # the first round warms up
             for name, make in variants.items():
@@ -220,7 +165,6 @@ def main() -> None:
             row[f"{name}_us_max"] = summary["max_s"] * per_step
         rows.append(row)
     lm.cleanup()
-    free.cleanup()
     columns = ["N", "T"] + [c for c in rows[0] if c.endswith("_us")]
     print("microseconds per particle-step (median over repeats; min/max in the JSON)")
     print_table(rows, columns)

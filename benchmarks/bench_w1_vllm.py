@@ -100,30 +100,6 @@ async def lockstep_smc(lm, prompt: list[int], num_particles: int, num_steps: int
     return await asyncio.gather(*(particle(i) for i in range(num_particles)))
 
 
-def check_free_rows(lm, prompt: list[int], seed: int, num_particles: int = 8, num_steps: int = 8) -> float:
-    """The largest difference between a row free-running sessions handed out and the row of
-    the same context as a plain request (one batch of all contexts) on the same engine."""
-    from genlm_backend.sampling import TokenSampler
-
-    async def walk() -> list:
-        sampler, seen = TokenSampler(seed=seed), []
-        contexts = [list(prompt) for _ in range(num_particles)]
-        for _ in range(num_steps):
-            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
-            seen += [(c, r.float().cpu()) for c, r in zip(contexts, rows)]
-            contexts = [c + [await sampler.sample(r)] for c, r in zip(contexts, rows)]
-        return seen
-
-    seen = asyncio.run(walk())
-    lm.close_sessions()
-    lm.set_sessions(False)
-    try:
-        plain = asyncio.run(lm.batch_next_token_logprobs([c for c, _ in seen]))
-    finally:
-        lm.set_sessions("free")
-    return max((r - p.float().cpu()).abs().max().item() for (_, r), p in zip(seen, plain))
-
-
 def model_for(args: argparse.Namespace) -> tuple[Path, dict]:
     """The model folder (built if missing) and engine options of a W1 configuration."""
     if args.gpu:
@@ -146,10 +122,7 @@ def run(args: argparse.Namespace) -> dict:
     rng, vocab = random.Random(args.seed), vocab_size(model_dir)
     prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
     plain = start_plain_floor(args, model_dir, engine_opts, prompt)  # first: ours then finds its share free
-    lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n,
-                                  session_lookahead=args.session_lookahead, share_core=args.share_core)
-    if args.sessions == "free":  # (ours: free-running sessions; best with async_scheduling=true)
-        lm.set_sessions("free")
+    lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts, batch_size=max_n)
     if args.gc_freeze:  # what vLLM does at engine start, once more after the backend's own setup
         gc.collect()
         gc.freeze()
@@ -176,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
         def vllm_floor() -> None:
             plain.generate(n)
 
-        variants = {"on": [("ours", ours)], "off": [("nosess", nosess)], "free": [("ours", ours)],
+        variants = {"on": [("ours", ours)], "off": [("nosess", nosess)],
                     "both": [("ours", ours), ("nosess", nosess)]}[args.sessions] + [("floor", floor)]
         if args.ab_switch_interval:  # ours again, with the GIL handed over more often
             variants.insert(1, ("ours_si", with_switch_interval(args.ab_switch_interval, ours)))
@@ -219,8 +192,6 @@ def run(args: argparse.Namespace) -> dict:
         print(f"N={n}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("wall", "ratio"))),
               f"floor {floor_s:.4f} s", flush=True)
     stats = lm.stats()
-    if args.sessions == "free":
-        stats["free_rows_max_abs_diff"] = check_free_rows(lm, prompt, args.seed)
     lm.cleanup()
     config = {**vars(args), "model_dir": str(model_dir), "engine_opts": engine_opts}
     if plain is not None:
@@ -357,14 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sampler", choices=SAMPLERS, default="multinomial",
                         help="how a particle draws its token from the row (client-side cost)")
-    parser.add_argument("--share-core", action="store_true",
-                        help="AsyncVirtualLM(share_core=True): the loop's and the engine thread on one core "
-                             "while free sessions run")
-    parser.add_argument("--session-lookahead", type=int, default=1,
-                        help="engine steps ahead of the particles after each wake-up (--sessions free; 0: none)")
-    parser.add_argument("--sessions", choices=("on", "off", "both", "free"), default="both",
-                        help="time engine sessions on (ours), off (nosess) or both, interleaved; free: "
-                             "ours with free-running sessions")
+    parser.add_argument("--sessions", choices=("on", "off", "both"), default="both",
+                        help="time engine sessions on (ours), off (nosess) or both, interleaved")
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (CPU default: 128)")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="extra vllm.LLM option (VALUE parsed as JSON when it can be); repeatable")

@@ -16,11 +16,6 @@ for a batch (no future, no extra turn of the event loop). Each pre-drawn token i
 out once; a row drawn from again, or a block changed in place since (its version counter
 moved), is drawn afresh, so every draw stays an independent exact draw from the row as it
 is when it is asked for.
-
-Draws made elsewhere: a backend whose engine already drew a token from a row (free-running
-vLLM sessions) attaches it with :func:`offer_draw`; the first draw from that row returns it.
-It is as exact and as independent as the sampler's own, and it is what lets the engine go
-on computing the row of the extended context before the caller has looked.
 """
 
 from __future__ import annotations
@@ -33,17 +28,7 @@ import torch
 
 from .batching import INLINE, Batcher
 
-__all__ = ["TokenSampler", "offer_draw"]
-
-_DRAW = "_genlm_draw"  # the attribute of a row that carries a draw made elsewhere
-
-
-def offer_draw(row: torch.Tensor, token: int) -> None:
-    """Attaches to ``row`` a token already drawn from ``softmax(row)`` independently of
-    everything else (e.g. by the engine that computed the row: free-running sessions). A
-    :class:`TokenSampler` hands it out as its first draw from ``row``, unless ``row`` was
-    changed in place since."""
-    setattr(row, _DRAW, (token, row._version))
+__all__ = ["TokenSampler"]
 
 
 class _Draw:
@@ -100,7 +85,6 @@ class TokenSampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._blocks: dict[int, _Block] = {}
         self.num_predrawn = 0
-        self.num_offered = 0  # draws made elsewhere (see offer_draw) handed out
         self._batcher = Batcher(
             self._draw_batch, max_batch_size=max_batch_size, timeout=timeout, executor=INLINE,
             name="TokenSampler",
@@ -115,10 +99,6 @@ class TokenSampler:
         """
         if type(logprobs) is not torch.Tensor:
             return await self._batcher.submit(_Draw(_check_row(logprobs)))
-        offered = logprobs.__dict__.pop(_DRAW, None)
-        if offered is not None and offered[1] == logprobs._version:
-            self.num_offered += 1
-            return offered[0]
         base = logprobs._base
         if base is not None:
             token = self._predrawn(logprobs, base)

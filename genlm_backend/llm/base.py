@@ -102,12 +102,6 @@ class AsyncLM(Adapters, ABC):
         ``_evaluates_on_loop``, runs on the event loop and may return a future of that list.)
         """
 
-    def _direct(self, request: LogprobsRequest) -> Any:
-        """A backend's answer to ``request`` without a batch, on the event loop: its row, an
-        awaitable of it, or None (the usual case: the request goes to the batcher). Asked
-        only where no output cache is kept."""
-        return None
-
     @property
     def max_prompt_len(self) -> int | None:
         """The longest prompt the model accepts (tokens), or None for no known limit."""
@@ -156,9 +150,6 @@ class AsyncLM(Adapters, ABC):
         """
         request = self._request(token_ids, lora_name)
         if self.cache is None:  # the hot path of samplers: no coroutine but this one
-            direct = self._direct(request)
-            if direct is not None:
-                return direct if type(direct) is torch.Tensor else await direct
             return await self._logprobs_batcher.enqueue(request)
         return await self._logprobs(request, use_cache=True)
 

@@ -15,11 +15,6 @@ engine work ends the wait) for the next batch. Requests that extend a session's 
 one token continue it: their token is forced as the session's next token, so the next step
 is a plain decode step over the running requests, as in vLLM's own generation loop.
 
-Free-running sessions (``sessions="free"``, :mod:`.vllm_freerun`): vLLM draws each session's
-next token itself and hands it out with the row; a request that extends the context by that
-draw gets the row the engine computed meanwhile, so no step waits for the callers; it takes
-that row on the event loop, without a batch (:mod:`.vllm_freedrive` steps the engine for them).
-
 Engine work runs on the model's single engine thread: the log-probability batches and the
 sampling batcher share it, so engine calls never overlap.
 """
@@ -41,9 +36,8 @@ try:
     import vllm
     from vllm.lora.request import LoRARequest
 
-    from . import core_sharing, vllm_capture, vllm_internals
+    from . import vllm_capture, vllm_internals
     from .vllm_engine import Continued, EngineJob, EngineRunner, RowBatch
-    from .vllm_freedrive import FreeDriver
     from .vllm_sampling import SamplingMixin
     from .vllm_sessions import PlanEntry, Session, SessionPool
 except ImportError as _exc:  # pragma: no cover - exercised only without vllm
@@ -63,20 +57,6 @@ DEFAULT_ENGINE_OPTS = {
 }
 # The most sampling requests sent to the engine in one call (where ``batch_size`` is lower).
 SAMPLE_BATCH_SIZE = 1024
-
-
-def _check_share_core(engine: Any) -> None:
-    """``share_core=True`` needs Linux, and a forward pass that does not run on this process's
-    CPU threads (it would get one core)."""
-    if not core_sharing.available():
-        raise ValueError("share_core=True pins threads to a core one by one, which needs Linux")
-    config = engine.vllm_config
-    device = getattr(config.device_config, "device_type", None)
-    parallel = config.parallel_config
-    elsewhere = parallel.world_size > 1 or parallel.distributed_executor_backend in ("mp", "ray")
-    if device == "cpu" and not elsewhere:
-        raise ValueError("share_core=True would put this process's forward passes on one core: it is for engines "
-                         "whose forward pass runs elsewhere (a GPU, or distributed_executor_backend='mp')")
 
 
 def _require_vllm() -> None:
@@ -115,32 +95,11 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             live sessions; an int: at most that many; False or 0: every request is a new
             engine request). Live sessions hold engine slots and KV blocks: call
             :meth:`close_sessions` before driving ``underlying_model`` yourself (its
-            ``generate`` waits for every live request). ``"free"``: free-running sessions
-            (:mod:`.vllm_freerun`): vLLM samples each session's next token at temperature
-            1 and the row carries that draw, which a shared
-            :class:`~genlm_backend.sampling.TokenSampler` hands out as its draw from the
-            row; callers that extend contexts by those draws never wait for a step (best
-            with ``engine_opts={"async_scheduling": True}`` on a GPU). Callers that pick
-            other tokens get the same rows, each from a new engine request.
+            ``generate`` waits for every live request).
         session_idle_batches: a session not extended for this many batches is closed.
         session_hold_s: how long the engine keeps the step that produced sessions' rows
             open for the next batch to continue them (see :mod:`.vllm_sessions`); any
             other engine work ends the wait at once.
-        session_max_ahead: a free-running session stops once this many of its rows wait
-            for a request (the engine waits for callers one row ahead of them; more pile up
-            only while other work keeps it stepping).
-        session_lookahead: engine steps run ahead each time requests wait for free-running
-            sessions' rows (beyond the step that answers them), so the rows their callers
-            ask for next are being computed while they look at these; 0: the engine steps
-            only for waiting requests.
-        share_core: while free-running sessions run, pin the event loop's thread (the one
-            awaiting them) and the engine thread to one CPU core, the loop's
-            (:mod:`.core_sharing`; Linux). The GIL lets one of them run at a time anyway;
-            on one core the objects both touch every step stay in its caches (W1 at N=256
-            on the H100 host: about 1.2 instead of 1.5x the floor). Released when the
-            sessions are closed (:meth:`close_sessions`, :meth:`set_sessions`, cleanup);
-            threads the loop's thread starts meanwhile inherit the one core. Only where
-            the forward pass runs elsewhere: on a GPU, or in a worker process.
     """
 
     def __init__(
@@ -153,16 +112,11 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         timeout: float = 0.02,
         flush: str = "idle",
         can_capture: bool = True,
-        sessions: bool | int | str = True,
+        sessions: bool | int = True,
         session_idle_batches: int = 8,
         session_hold_s: float = 1.0,
-        session_max_ahead: int = 8,
-        session_lookahead: int = 1,
-        share_core: bool = False,
     ):
         _require_vllm()
-        if share_core:
-            _check_share_core(llm.llm_engine)
         tokenizer = _hf_tokenizer(llm)
         super().__init__(
             tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
@@ -219,9 +173,6 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         )
         if self._holds:
             self._sink.on_step = self._on_step
-        self._free = FreeDriver(llm, self._runner, self._sink, self._engine_thread, self._lora_request,
-                                self._session_slots, session_lookahead, session_max_ahead, session_idle_batches,
-                                max_wait=timeout, share_core=share_core)
         self._runner.on_retry = self._on_retry
         self.set_sessions(sessions)
         self._runner.on_stall = self._sessions.free_parked
@@ -289,16 +240,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
 
     _evaluates_on_loop = True  # the batch goes to the engine thread from the loop directly
 
-    def _direct(self, request: LogprobsRequest) -> Any:
-        # A request extending a free session by its draw takes the session's next row.
-        return self._free.take(request) if self._free.on else None
-
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Any:
         """On the event loop: hands the batch to the engine thread; returns a future of its rows."""
         if self._listing_refusal is not None:
             return [EngineError(self._listing_refusal) for _ in requests]
-        if self._free.on:
-            return self._free.evaluate(requests)
         batch = RowBatch(asyncio.get_running_loop(), len(requests), deferred=self._holds)
         # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
         # runs inside it and decides which sessions continue.
@@ -401,35 +346,19 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         if request is None or not vllm_internals.park(llm.llm_engine, request.request_id):
             self._sessions.close(session)
 
-    def set_sessions(self, sessions: bool | int | str) -> None:
+    def set_sessions(self, sessions: bool | int) -> None:
         """Turns engine sessions on (True: up to ``max_num_seqs - 1``; an int: at most that
-        many; ``"free"``: free-running sessions) or off (False or 0: live ones are closed
-        at once).
+        many) or off (False or 0: live ones are closed at once).
 
         Raises:
-            ValueError: ``"free"`` on an engine whose rows do not reach this process with
-                the step that computes them (speculative decoding; a worker process that
-                cannot tell partial prefills), or another string.
+            TypeError: ``sessions`` is neither a bool nor an int.
         """
-        free = isinstance(sessions, str)
-        if free and sessions != "free":
-            raise ValueError(f"sessions must be True, False, an int or 'free', got {sessions!r}")
-        if free and not self._can_free_run():
-            raise ValueError("free-running sessions need each row in this process with its step (the capture "
-                             "processor, so no speculative decoding; a worker process must tell partial prefills)")
-        capacity = 0 if free else self._session_slots if sessions is True else min(int(sessions), self._session_slots)
+        if not isinstance(sessions, int):
+            raise TypeError(f"sessions must be True, False or an int, got {sessions!r}")
+        capacity = self._session_slots if sessions is True else min(int(sessions), self._session_slots)
         usable = self._can_capture and vllm_internals.supports_sessions(self.llm.llm_engine)
         capacity = max(capacity, 0) if usable else 0
-        self._engine_thread.submit(self._set_sessions, capacity, free).result()
-
-    def _set_sessions(self, capacity: int, free: bool) -> None:
-        self._sessions.resize(capacity)
-        self._free.turn(free)
-
-    def _can_free_run(self) -> bool:
-        if self._remote is not None:  # rows reach this process with their step's output
-            return self._remote.final_rows
-        return self._can_capture and self._sink.discarded is not None
+        self._engine_thread.submit(self._sessions.resize, capacity).result()
 
     def close_sessions(self) -> int:
         """Closes every live engine session (waits for the engine thread); returns how many.
@@ -438,7 +367,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         for the parked sessions forever. Later log-probability requests open new ones.
         """
         self._check_open()
-        return self._engine_thread.submit(lambda: self._sessions.close_all() + self._free.close_all()).result()
+        return self._engine_thread.submit(self._sessions.close_all).result()
 
     def _load_lora(self, lora_name: str, lora_path: str) -> None:
         if not os.path.isdir(lora_path):
@@ -459,7 +388,6 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         request = self._lora_requests.pop(lora_name, None)
         if request is not None and not self.is_closed:
             self._engine_thread.submit(self._sessions.close_where, lambda s: s.lora_name == lora_name).result()
-            self._engine_thread.submit(self._free.close_where, lambda s: s.lora_name == lora_name).result()
             self._engine_thread.submit(self.llm.llm_engine.remove_lora, request.lora_int_id).result()
 
     def _lora_request(self, lora_name: str | None) -> Any:
@@ -502,10 +430,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         sampler),
         ``peak_device_memory_bytes`` (CUDA only; None on CPU, where
         ``peak_host_rss_bytes`` is given); ``sessions``: live, opened, extended (of which
-        continued while held) and closed engine sessions; ``free_sessions``: live, opened,
-        extended (of which ``num_direct`` took their rows without a batch: the batcher's
-        counters do not count those), missed, stopped for running ahead, and closed
-        free-running sessions. Engine counters of a batch land
+        continued while held) and closed engine sessions. Engine counters of a batch land
         when its last engine step ends, which for held sessions is when the next batch (or
         any other engine work) arrives.
         """
@@ -515,14 +440,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             "engine": {**self._runner.stats.as_dict(),
                        "num_forced_steps": 0 if self._forcing is None else self._forcing.num_skipped},
             "sessions": self._sessions.stats(),
-            "free_sessions": self._free.sessions.stats(),
         }
 
     def _close(self) -> None:
-        try:
-            self._engine_thread.submit(self._free.detach).result(60)
-        except Exception:  # noqa: BLE001, S110 - the engine thread is gone: nobody waits there
-            pass
         self._sample_batcher.close()
         self._sink.close()
         llm, self.llm = self.llm, None

@@ -168,19 +168,6 @@ class EngineRunner:
             ids, self._deferred_aborts = self._deferred_aborts, []
             vllm_internals.abort_requests(engine, ids)
 
-    def step_alone(self) -> None:
-        """One engine step with no job of this runner's running (free-running sessions take
-        their rows inside it); aborts asked for during the step follow it."""
-        engine = self.llm.llm_engine
-        self._flush_aborts(engine)
-        self.stats.num_steps += 1
-        self.in_step = True
-        try:
-            engine.step()
-        finally:
-            self.in_step = False
-            self._flush_aborts(engine)
-
     def _run_splitting(self, jobs: list[EngineJob], continued: Any = None) -> None:
         if not jobs and (continued is None or not continued.any_waiting()):
             return

@@ -37,9 +37,9 @@ What is relied on:
   it to ``scheduler.update_from_output`` before any of the step's results go out. The rows
   themselves wait in a :class:`~.row_ring.RowRing` both processes map; its size rests on
   ``VllmConfig.max_concurrent_batches`` and on the engine core's batch queue handing a
-  step's output to the scheduler before it schedules the step after the next. The token
-  tap and the rows share one wrapper of ``update_from_output`` (:func:`_before_update`),
-  rows first.
+  step's output to the scheduler before it schedules the step after the next. The rows
+  are handed over by a wrapper of the scheduler's ``update_from_output``
+  (:func:`_before_update`).
 * Seeded sampling on a CPU engine (:func:`install_cpu_generator_rewind`): after a step, the
   runner's ``_bookkeeping_sync`` rewinds the generator of every partial-prefill row by a
   Philox offset (``input_batch.generators.get(i)``, then ``set_offset``), which CPU
@@ -58,12 +58,6 @@ What is relied on:
   loader.py``) and which has none of the runner calls above; ``VLLM_USE_V2_MODEL_RUNNER=0``
   (unless the caller set it) keeps the runner these were checked on. CPU engines use the V1
   runner either way.
-* Each step's sampled tokens (:func:`install_token_tap`, free-running sessions): the
-  scheduler's ``update_from_output(scheduler_output, model_runner_output)`` gets every step's
-  ``ModelRunnerOutput`` (with async scheduling, once its tokens are on the host), whose
-  ``req_id_to_index`` and ``sampled_token_ids`` (one list per row, empty for a partial
-  prefill) give each request's new tokens; ``scheduler.requests`` maps the id to the
-  ``Request`` and its ``sampling_params.extra_args``.
 * ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
   shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
 """
@@ -95,7 +89,6 @@ __all__ = [
     "install_forced_sampling",
     "install_listed_rows",
     "install_remote_capture",
-    "install_token_tap",
     "is_cuda_oom",
     "is_stalled",
     "lora_refusal",
@@ -213,8 +206,6 @@ def install_forced_sampling(engine: Any, forcing: Any) -> Any:
 
 # The attribute of a worker's step output that carries the captured rows to this process.
 _ROWS_ATTR = "genlm_capture_rows"
-# A worker's rows reach this process before the step's tokens do (the token tap's order).
-_ROWS_ORDER, _TOKENS_ORDER = 0, 1
 # A worker's row ring holds at most this many bytes (rows beyond it travel as arrays).
 RING_BYTES = 2**30
 
@@ -234,7 +225,7 @@ def install_remote_capture(llm: Any, deliver: Callable[[Any, Any], None]) -> Rem
     nothing) gathers the rows of this process's sinks (:class:`~.vllm_capture.RemoteRows`)
     into a :class:`~.row_ring.RowRing` both processes map, and its step output says where
     they are; this process's scheduler gets ``deliver(parts, ring)`` before it handles that
-    output (and before the token tap sees the step's tokens). Returns None where the model
+    output. Returns None where the model
     runner is in this process (nothing to do) or where this cannot be arranged (the engine
     core in another process, a worker without these calls): log-probability calls then
     fail with a clear error.
@@ -259,7 +250,7 @@ def install_remote_capture(llm: Any, deliver: Callable[[Any, Any], None]) -> Rem
         return None
     handle = found["ring"]
     remote = RemoteCapture(None if handle is None else open_ring(handle), found["final_rows"])
-    _before_update(scheduler, _ROWS_ORDER, lambda _scheduled, output: _deliver_rows(output, deliver, remote.ring))
+    _before_update(scheduler, lambda _scheduled, output: _deliver_rows(output, deliver, remote.ring))
     scheduler._genlm_remote_capture = remote
     return remote
 
@@ -270,24 +261,23 @@ def _deliver_rows(output: Any, deliver: Callable[[Any, Any], None], ring: Any) -
         deliver(rows, ring)
 
 
-def _before_update(scheduler: Any, order: int, hook: Callable[[Any, Any], None]) -> None:
+def _before_update(scheduler: Any, hook: Callable[[Any, Any], None]) -> None:
     """Runs ``hook(scheduler_output, model_runner_output)`` on every step output before the
-    scheduler's ``update_from_output`` handles it; hooks run in ascending ``order`` (one
-    wrapper a scheduler, whatever order they were installed in)."""
+    scheduler's ``update_from_output`` handles it (one wrapper a scheduler; hooks run in the
+    order they were installed)."""
     hooks = getattr(scheduler, "_genlm_before_update", None)
     if hooks is None:
         hooks = []
         original = scheduler.update_from_output
 
         def update_from_output(scheduler_output: Any, model_runner_output: Any) -> Any:
-            for _, run in hooks:
+            for run in hooks:
                 run(scheduler_output, model_runner_output)
             return original(scheduler_output, model_runner_output)
 
         scheduler.update_from_output = update_from_output
         scheduler._genlm_before_update = hooks
-    hooks.append((order, hook))
-    hooks.sort(key=lambda entry: entry[0])
+    hooks.append(hook)
 
 
 def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int, width: int) -> dict | bool:
@@ -373,41 +363,6 @@ def install_listed_rows(engine: Any, key: str, deliver: Callable[[Any, Any, Any]
         return process(outputs, *args, **kwargs)
 
     processor.add_request, processor.process_outputs = add_request, process_outputs
-    return True
-
-
-def install_token_tap(engine: Any, key: str, deliver: Callable[[list[tuple[Any, list[int]]]], None],
-                      active: Callable[[], bool]) -> bool:
-    """Hands the tokens each step sampled for requests marked in ``extra_args[key]`` to
-    ``deliver([(mark, tokens), ...])``, on the engine thread, where the scheduler takes them
-    from the model runner's output (before it checks stop conditions), once per step with
-    any; ``tokens`` is the model runner's own list, to be read during the call. Steps are
-    not looked at while ``active()`` is False. Returns False when the scheduler lacks the
-    call (or has a tap already)."""
-    scheduler = _scheduler(engine)
-    update = getattr(scheduler, "update_from_output", None)
-    requests = getattr(scheduler, "requests", None)
-    if update is None or not isinstance(requests, dict) or getattr(scheduler, "_genlm_token_tap", False):
-        return False
-
-    def tap(_scheduled: Any, output: Any) -> None:
-        if not active():
-            return
-        sampled, found, request_of = output.sampled_token_ids, [], requests.get
-        num_sampled = len(sampled)
-        for request_id, index in output.req_id_to_index.items():
-            request = request_of(request_id)
-            extra = None if request is None else request.sampling_params.extra_args
-            mark = None if not extra else extra.get(key)
-            if mark is not None and index < num_sampled:
-                tokens = sampled[index]  # (the model runner's list of ints, read at once)
-                if tokens:
-                    found.append((mark, tokens))
-        if found:
-            deliver(found)
-
-    _before_update(scheduler, _TOKENS_ORDER, tap)
-    scheduler._genlm_token_tap = True
     return True
 
 

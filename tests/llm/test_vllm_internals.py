@@ -586,59 +586,24 @@ def test_held_sessions_rely_on_the_runner_mask_and_park_with_their_kv(vlm, hf_re
     assert_matches(vlm.next_token_logprobs_sync(context + [7]), hf_reference("base", context + [7]))
 
 
-def test_the_token_tap_reads_each_steps_tokens_where_the_scheduler_takes_them():
-    """install_token_tap: ``update_from_output(scheduler_output, model_runner_output)`` on the
-    scheduler, ``req_id_to_index`` and one ``sampled_token_ids`` list per row in the output,
-    ``extra_args`` on the scheduler's requests."""
+def test_step_hooks_see_each_output_before_the_scheduler_does():
+    """_before_update wraps ``update_from_output(scheduler_output, model_runner_output)`` once
+    a scheduler; each hook sees the step output before the scheduler handles it."""
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import ModelRunnerOutput
 
     from genlm_backend.llm import vllm_internals
 
     assert list(inspect.signature(Scheduler.update_from_output).parameters)[1:3] == [
         "scheduler_output", "model_runner_output"]
-    fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
-    assert {"req_id_to_index", "sampled_token_ids"} <= fields
-
-    mark = types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args={"k": 7}))
-    plain = types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args=None))
     seen, calls = [], []
-    scheduler = types.SimpleNamespace(requests={"a": mark, "b": plain, "c": mark},
-                                      update_from_output=lambda so, out: calls.append(out) or "done")
-    engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(
-        scheduler=scheduler)))
-    assert vllm_internals.install_token_tap(engine, "k", seen.append, lambda: True)
-    output = types.SimpleNamespace(req_id_to_index={"a": 0, "b": 1, "c": 2}, sampled_token_ids=[[5], [6], []])
-    assert scheduler.update_from_output(None, output) == "done" and calls == [output]
-    assert seen == [[(7, [5])]]  # the marked request with a token; not the partial prefill "c"
-    assert not vllm_internals.install_token_tap(engine, "k", seen.append, lambda: True)  # once
-
-
-def test_a_workers_rows_reach_this_process_before_the_steps_tokens():
-    """The token tap and the remote capture both run before ``update_from_output``; the rows
-    first whichever was installed first (free sessions pair each token with its row)."""
-    from genlm_backend.llm import vllm_internals
-
-    for tap_first in (True, False):
-        seen, calls = [], []
-        mark = types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args={"k": 7}))
-        scheduler = types.SimpleNamespace(requests={"a": mark},
-                                          update_from_output=lambda so, out: calls.append(out) or "done")
-        engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(
-            scheduler=scheduler)))
-
-        def install_rows(scheduler=scheduler, seen=seen):
-            vllm_internals._before_update(scheduler, vllm_internals._ROWS_ORDER, lambda so, out: seen.append("rows"))
-
-        if not tap_first:
-            install_rows()
-        assert vllm_internals.install_token_tap(engine, "k", lambda found, seen=seen: seen.append("tokens"),
-                                                lambda: True)
-        if tap_first:
-            install_rows()
-        output = types.SimpleNamespace(req_id_to_index={"a": 0}, sampled_token_ids=[[5]])
-        assert scheduler.update_from_output(None, output) == "done" and calls == [output]
-        assert seen == ["rows", "tokens"], tap_first
+    scheduler = types.SimpleNamespace(update_from_output=lambda so, out: calls.append(out) or seen.append("update")
+                                      or "done")
+    vllm_internals._before_update(scheduler, lambda so, out: seen.append(("first", out)))
+    wrapper = scheduler.update_from_output
+    vllm_internals._before_update(scheduler, lambda so, out: seen.append(("second", out)))
+    assert scheduler.update_from_output is wrapper  # one wrapper, however many hooks
+    assert scheduler.update_from_output(None, "out") == "done" and calls == ["out"]
+    assert seen == [("first", "out"), ("second", "out"), "update"]
 
 
 def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
