@@ -1,11 +1,10 @@
-"""Builds the optional compiled kernels; everything else is in pyproject.toml.
+"""Builds the optional compiled trie kernel; everything else is in pyproject.toml.
 
-``optional=True``: where no C compiler is found, or a build fails, setuptools prints a
-warning and installs the package without it. Without the trie kernel
-``ParallelTokenCharacterTrie`` uses its torch path on the CPU (``genlm_backend/trie/_compiled.py``);
-without the prompt kernel the prompt checker uses Python (``genlm_backend/llm/prompts.py``).
-An editable install builds them in place (``*.so`` beside their sources, git-ignored): after
-editing a ``.c`` file, rerun ``pip install --no-deps -e .``.
+``optional=True``: where no C compiler is found, or the build fails, setuptools prints a
+warning and installs the package without it; ``ParallelTokenCharacterTrie`` then uses its
+torch path on the CPU (``genlm_backend/trie/_compiled.py``). An editable install builds it in
+place (``*.so`` beside its source, git-ignored): after editing the ``.c`` file, rerun
+``pip install --no-deps -e .``. ``scripts/check_c.sh`` runs its tests under AddressSanitizer.
 """
 
 import sys
@@ -22,12 +21,6 @@ setup(
             sources=["genlm_backend/trie/_kernel.c"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
-            optional=True,
-        ),
-        Extension(
-            "genlm_backend.llm._prompt_kernel",
-            sources=["genlm_backend/llm/_prompt_kernel.c"],
-            extra_compile_args=compile_args,
             optional=True,
         ),
     ]

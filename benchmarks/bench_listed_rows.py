@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.bench_w1_vllm import TINY_CONFIG, build_model  # noqa: E402
+from benchmarks.models import TINY_CONFIG, build_model  # noqa: E402
 from benchmarks.common import print_table, summarise, write_json  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -53,7 +53,7 @@ def main() -> None:
     if args.mode == "spec":
         opts["speculative_config"] = NGRAM
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=opts, sessions=False, batch_size=max(args.prompts))
-    llm, rng = lm.underlying_model, random.Random(0)
+    llm, rng = lm.llm, random.Random(0)
     greedy = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def fresh(p: int) -> list[list[int]]:  # distinct prompts every time: no prefix-cache hits

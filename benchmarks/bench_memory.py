@@ -25,7 +25,7 @@ CPU (tiny random Llama of ``bench_w1_hf.py``, V=32000; ~1 minute)::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_memory.py [--backends hf vllm]
 
-GPU (HF: the 1.2B Llama of ``bench_w1_hf.py --device cuda``; vLLM: ``bench_w1_vllm.py --gpu``)::
+GPU (HF: the 1.2B Llama of ``bench_w1_hf.py --device cuda``; vLLM: the 1.2B Llama of ``models.py``)::
 
     python benchmarks/bench_memory.py --gpu --backends hf vllm --tokenizer-dir .gpu_assets/tekken
 """

@@ -19,12 +19,12 @@ each), so that all see the same machine load. Also reported, to see where our ti
 (the floor's ``generate`` runs the same loop), and ``<variant>_outside_engine_s``, the rest
 of the wall time (validation, building the parameters, queueing, futures, the event loop).
 
-CPU (tiny random Llama of ``bench_w1_vllm.py``, Mistral's 32k tokenizer)::
+CPU (the tiny random Llama of ``models.py``, Mistral's 32k tokenizer)::
 
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
         python benchmarks/bench_w2_sampling.py
 
-GPU (random-weight 1.2B Llama, tekken 131k vocabulary, bf16, as ``bench_w1_vllm.py --gpu``)::
+GPU (the random-weight 1.2B Llama of ``models.py``, tekken 131k vocabulary, bf16)::
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 \\
         python benchmarks/bench_w2_sampling.py --gpu --tokenizer-dir .gpu_assets/tekken
@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.bench_w1_vllm import GPU_CONFIG, TINY_CONFIG, build_model, parse_opts
+from benchmarks.models import GPU_CONFIG, TINY_CONFIG, build_model, parse_opts
 from benchmarks.common import print_table, summarise, write_json
 
 TARGET_RATIO = 0.95
@@ -135,7 +135,7 @@ def ours_sample(
 
 def measure_config(lm: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """One row: every variant and the floor on ``prompts``, warmed up once, interleaved."""
-    llm = lm.underlying_model
+    llm = lm.llm
     lm.close_sessions()  # nothing of ours may hold engine slots while the floor runs
     run = {
         "batch_sample": lambda: ours_batch_sample(

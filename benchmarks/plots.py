@@ -49,22 +49,44 @@ def _errors(median: list[float], low: list[float], high: list[float]) -> list[li
 
 
 def draw_w1_vllm(payload: dict[str, Any]) -> Any:
+    """W1 and W5 (``bench_smc_vllm``): one panel each, time / floor against N."""
+    tables = payload["tables"]
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4), squeeze=False)
+    for ax, (workload, rows) in zip(axes[0], tables.items()):
+        ns = [r["N"] for r in rows]
+        ratio = [r["ratio"] for r in rows]
+        low = [r["wall_min_s"] / r["floor_s"] for r in rows]
+        high = [r["wall_max_s"] / r["floor_s"] for r in rows]
+        ax.errorbar(ns, ratio, yerr=_errors(ratio, low, high), marker="o", capsize=3,
+                    label="AsyncVirtualLM")
+        ax.plot(ns, [r["ratio_nosample"] for r in rows], marker="o", linestyle="--",
+                label="less the user's sampling")
+        if "peer_ratio" in rows[0]:
+            ax.plot(ns, [r["peer_ratio"] for r in rows], marker="s", linestyle=":",
+                    label="genlm-backend 0.3.1")
+        ax.axhline(1.2, color="red", linewidth=0.8, linestyle=":", label="target, less sampling")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{workload.upper()}: N x T={rows[0]['T']} steps, time / llm.generate")
+        _ratio_axes(ax, "particles N", "time / floor (lower is better)")
+    return fig
+
+
+def draw_heartbeat(payload: dict[str, Any]) -> Any:
+    """The heartbeat's worst and 99th-percentile lateness per soak, the idle one first."""
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ns = [r["N"] for r in rows]
-    # The floor of record: vLLM with its own defaults on a plain engine, where it was timed.
-    floor = "floor_vllm_s" if "floor_vllm_s" in rows[0] else "floor_s"
-    for key, label in (("ours", "AsyncVirtualLM, sessions on"), ("nosess", "sessions off")):
-        if key not in rows[0]:
-            continue
-        ratio = [r[key]["median_s"] / r[floor] for r in rows]
-        low = [r[key]["min_s"] / r[floor] for r in rows]
-        high = [r[key]["max_s"] / r[floor] for r in rows]
-        ax.errorbar(ns, ratio, yerr=_errors(ratio, low, high), marker="o", capsize=3, label=label)
-    ax.set_xscale("log", base=2)
-    engine = "plain vLLM engine" if floor == "floor_vllm_s" else "same engine"
-    ax.set_title(f"W1 vLLM: N x T={rows[0]['T']} steps, time / llm.generate ({engine})")
-    _ratio_axes(ax, "particles N", "time / floor (lower is better)")
+    labels = [str(r["repeat"]) for r in rows]
+    width = 0.4
+    for k, stat in enumerate(("max_ms", "p99_ms")):
+        xs = [i + (k - 0.5) * width for i in range(len(rows))]
+        ax.bar(xs, [r[stat] for r in rows], width, label=stat.removesuffix("_ms"))
+    ax.axhline(50, color="red", linestyle=":", label="target: 50 ms")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_xlabel("soak (idle: no clients)")
+    ax.set_ylabel("heartbeat lateness, ms (lower is better)")
+    ax.set_title(f"Event loop with {payload['clients']} clients on {payload['backend']}")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
     return fig
 
 
@@ -255,4 +277,5 @@ DRAWERS = {
     "w3": draw_w3,
     "w4": draw_w4,
     "memory": draw_memory,
+    "heartbeat": draw_heartbeat,
 }

@@ -1,7 +1,7 @@
 """One command for the benchmark suite: every workload, or one, with its JSON, plot and table.
 
-    python -m benchmarks [all|w1-vllm|w1-hf|w2|w3|w4|memory ...] [--quick] [--gpu]
-                         [--tokenizer-dir DIR] [--vocab-dir DIR] [--out-dir DIR]
+    python -m benchmarks [all|w1-vllm|w1-hf|w2|w3|w4|memory|heartbeat ...] [--quick] [--gpu]
+                         [--tokenizer-dir DIR] [--vocab-dir DIR] [--peer DIR] [--out-dir DIR]
 
 Each workload is its benchmark script (``benchmarks/bench_*.py``), run in a process of its
 own so that one engine's memory, threads and failures never reach the next workload. The
@@ -11,9 +11,10 @@ then draws ``<name>.png`` beside it, prints one summary table of every workload'
 ratios, and writes ``suite.json`` (the summary, the commands, the seconds each took).
 
 ``--quick``: tiny sizes and one or two repeats, so the whole suite runs on a 2-core CPU in
-a couple of minutes (CI checks that it runs; its figures are not worth quoting). ``--gpu``:
+a few minutes (CI checks that it runs; its figures are not worth quoting). ``--gpu``:
 the GPU configurations of the scripts (1.2B random Llama, tekken 131k; ``--tokenizer-dir``
-from ``benchmarks/prepare_gpu_assets.py``). The exit status is 1 when a workload failed.
+from ``benchmarks/prepare_gpu_assets.py``). ``--peer DIR``: W1 and W5 also time
+genlm-backend 0.3.1 installed in DIR. The exit status is 1 when a workload failed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, print_table, write_json
+from benchmarks.headlines import headlines
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,23 +54,22 @@ class Workload:
 QUICK_ENGINE = ["--engine-opt", "enforce_eager=true"]
 
 
-# The particles' draw: inverse CDF is the cheapest on a CPU, the exponential race (fewest
-# kernel launches) on a GPU; see `draw` in bench_w1_vllm.py.
-def _sampler(o: argparse.Namespace) -> list[str]:
-    return ["--sampler", "race" if o.gpu else "cdf"]
-
-
 def _w1_vllm_argv(o: argparse.Namespace) -> list[str]:
-    argv = [*_sampler(o), "--out-dir", str(o.out_dir)]
+    argv = ["--out-dir", str(o.out_dir)]
     if o.quick:
-        argv += shlex.split("--particles 1 8 --steps 4 --prompt-len 16 --repeats 2") + QUICK_ENGINE
+        argv += shlex.split("--particles 1 4 --steps 3 --prompt-len 16 --repeats 1") + QUICK_ENGINE
     if o.gpu:
         argv += ["--gpu", "--tokenizer-dir", str(o.tokenizer_dir)]
+    if o.peer is not None:
+        argv += ["--peer", str(o.peer)]
     return argv
 
 
 def _w1_hf_argv(o: argparse.Namespace) -> list[str]:
-    argv = ["--device", "cuda" if o.gpu else "cpu", *_sampler(o), "--out", str(o.out_dir)]
+    # The particles' draw: inverse CDF is the cheapest on a CPU; on a GPU the particles share
+    # a TokenSampler, one exponential race over a step's rows (see benchmarks/particles.py).
+    sampler = ["--sampler", "batched" if o.gpu else "cdf"]
+    argv = ["--device", "cuda" if o.gpu else "cpu", *sampler, "--out", str(o.out_dir)]
     if o.quick:
         argv += shlex.split("--particles 1,8 --steps 8 --prompt-len 16 --repeats 2")
     return argv
@@ -110,15 +111,24 @@ def _memory_argv(o: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _heartbeat_argv(o: argparse.Namespace) -> list[str]:
+    argv = ["--backend", "hf", "--out", str(o.out_dir)]
+    if o.quick:
+        argv += shlex.split("--seconds 1 --repeats 1")
+    if o.gpu:
+        argv += ["--tag", "cuda"]
+    return argv
+
+
 WORKLOADS = {
     w.name: w
     for w in (
         Workload(
             "w1-vllm",
-            "bench_w1_vllm",
-            "W1 lockstep importance sampling, AsyncVirtualLM vs llm.generate",
+            "bench_smc_vllm",
+            "W1 and W5, lockstep SMC with the user's own sampler on AsyncVirtualLM vs llm.generate",
             _w1_vllm_argv,
-            lambda o: "w1_vllm_gpu" if o.gpu else "w1_vllm_cpu",
+            lambda o: "smc_vllm_gpu" if o.gpu else "smc_vllm_cpu",
         ),
         Workload(
             "w1-hf",
@@ -155,140 +165,15 @@ WORKLOADS = {
             _memory_argv,
             lambda o: "memory_gpu" if o.gpu else "memory_cpu",
         ),
+        Workload(
+            "heartbeat",
+            "bench_heartbeat",
+            "event-loop lateness while 64 clients use AsyncTransformer",
+            _heartbeat_argv,
+            lambda o: "heartbeat_hf_cuda" if o.gpu else "heartbeat_hf",
+        ),
     )
 }
-
-
-# ---- headlines: one or more summary rows per workload, read from its JSON ------------------
-
-
-def headlines(name: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """Summary rows: ``case``, ``ours``, ``floor`` (with ``unit``), ``ratio`` = ours / floor,
-    ``min``/``max`` of the ratio where the script recorded a spread, and ``better``."""
-    rows = payload["rows"]
-    out = []
-    if name == "w1-vllm":
-        for r in rows:
-            out.append(
-                _line(
-                    f"N={r['N']} T={r['T']}",
-                    r["wall_s"],
-                    r["floor_s"],
-                    "s",
-                    "lower",
-                    r["ours"]["min_s"] / r["floor_s"],
-                    r["ours"]["max_s"] / r["floor_s"],
-                )
-            )
-    elif name == "w1-hf":
-        for r in rows:
-            paired = [w / f for w, f in zip(r["wall_times"], r["floor_times"])]
-            out.append(
-                _line(
-                    f"N={r['N']} T={r['T']}",
-                    r["wall_s"],
-                    r["floor_s"],
-                    "s",
-                    "lower",
-                    min(paired),
-                    max(paired),
-                )
-            )
-    elif name == "w2":
-        for r in rows:
-            for v in ("batch_sample", "sample"):
-                if f"{v}_tok_s" in r:
-                    out.append(
-                        _line(
-                            f"P={r['P']} T={r['T']} {v}",
-                            r[f"{v}_tok_s"],
-                            r["floor_tok_s"],
-                            "tok/s",
-                            "higher",
-                            r[f"{v}_ratio_min"],
-                            r[f"{v}_ratio_max"],
-                        )
-                    )
-    elif name == "w3":
-        for r in rows:
-            if "floor_ms" in r:
-                out.append(
-                    _line(
-                        f"{r['vocab']} {r['workload']}",
-                        r["median_ms"],
-                        r["floor_ms"],
-                        "ms",
-                        "lower",
-                        r["min_ms"] / r["floor_ms"],
-                        r["max_ms"] / r["floor_ms"],
-                    )
-                )
-    elif name == "w4":
-        baseline = {r["vocabulary"]: r for r in rows if r["method"] != "decode_vocab"}
-        for r in rows:
-            if r["method"] == "decode_vocab":
-                base = baseline[r["vocabulary"]]["median_s"]
-                out.append(
-                    _line(
-                        r["vocabulary"],
-                        r["median_s"],
-                        base,
-                        "s",
-                        "lower",
-                        r["min_s"] / base,
-                        r["max_s"] / base,
-                    )
-                )
-    elif name == "memory":
-        for r in rows:
-            for m in ("tensor", "rss", "cuda_held", "cuda_peak"):
-                if f"{m}_per_1000" in r:
-                    floor = r["floor_bytes_per_1000"]
-                    out.append(
-                        _line(
-                            f"{r['backend']} n={r['rows']} {m}",
-                            r[f"{m}_per_1000"] / 2**20,
-                            floor / 2**20,
-                            "MiB/1000 rows",
-                            "lower",
-                            r[f"{m}_per_1000_min"] / floor,
-                            r[f"{m}_per_1000_max"] / floor,
-                        )
-                    )
-            if "kv_per_1000" in r:
-                out.append(
-                    _line(
-                        f"{r['backend']} n={r['rows']} kv cache",
-                        r["kv_per_1000"] / 2**20,
-                        r["kv_floor_per_1000"] / 2**20,
-                        "MiB/1000 ctx",
-                        "lower",
-                        None,
-                        None,
-                    )
-                )
-    return [{"workload": name, **line} for line in out]
-
-
-def _line(
-    case: str,
-    ours: float,
-    floor: float,
-    unit: str,
-    better: str,
-    low: float | None,
-    high: float | None,
-) -> dict[str, Any]:
-    return {
-        "case": case,
-        "ours": ours,
-        "floor": floor,
-        "unit": unit,
-        "ratio": ours / floor,
-        "min": low,
-        "max": high,
-        "better": better,
-    }
 
 
 # ---- running -----------------------------------------------------------------------------
@@ -367,6 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--vocab-dir", type=Path, default=None, help="W3: pickled or raw vocabularies"
     )
     parser.add_argument(
+        "--peer", type=Path, default=None, help="W1/W5: a folder holding genlm-backend 0.3.1"
+    )
+    parser.add_argument(
         "--out-dir", type=Path, default=RESULTS_DIR, help="default: benchmarks/results"
     )
     options = parser.parse_args(argv)
@@ -379,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if options.gpu and needs_tokenizer and options.tokenizer_dir is None:
         parser.error(f"--gpu needs --tokenizer-dir for {', '.join(sorted(needs_tokenizer))}")
     options.out_dir = options.out_dir.resolve()
-    for name in ("tokenizer_dir", "vocab_dir"):
+    for name in ("tokenizer_dir", "vocab_dir", "peer"):
         if getattr(options, name) is not None:
             setattr(options, name, getattr(options, name).resolve())
     return options

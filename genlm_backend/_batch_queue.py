@@ -1,24 +1,43 @@
 """The queue of one batcher on one event loop: take a batch, run it, resolve the futures.
 
-Private to :mod:`genlm_backend.batching`, whose docstring states the guarantees.
+Private to :mod:`genlm_backend.batching`, whose docstring states the guarantees. The
+dependency goes one way: this module knows a batcher only as a :class:`BatchOwner`.
+
+Every route by which a batch ends (a worker thread's job, a task, a loop future, or an
+``evaluate`` that ran on the loop) ends in :meth:`LoopQueue.finish`, which never raises: a
+bad result, a cancelled job or a failure while resolving fails that batch's awaiters, and
+the next batch runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .exceptions import ClosedError, EngineError
+from ._batch_results import batch_error, check_results, fail_all, outcome, resolve_all
+from .exceptions import ClosedError
 
-if TYPE_CHECKING:
-    from .batching import Batcher
+__all__ = ["BatchOwner", "LoopQueue", "call_when_idle"]
 
-__all__ = ["LoopQueue", "call_when_idle", "fail_all"]
+
+class BatchOwner(Protocol):
+    """What a :class:`LoopQueue` reads from its batcher (``batching.Batcher``)."""
+
+    evaluate: Callable[[list], Any]
+    is_async: bool
+    runs_inline: bool
+    executor: concurrent.futures.Executor
+    max_batch_size: int
+    timeout: float
+    flush: str
+    copy_result: Callable[[Any], Any]
+    name: str
+    stats: Any  # a ``batching.BatcherStats``
+
 
 # Callbacks that only wait for an idle loop. Ready ones are no work to a batcher's probe
 # (two batchers waiting for an idle loop would otherwise keep each other busy forever); a
@@ -73,7 +92,7 @@ class _Entry:
 class LoopQueue:
     """The queue of one batcher on one event loop: take a batch, run it, resolve it."""
 
-    def __init__(self, batcher: Batcher, loop: asyncio.AbstractEventLoop):
+    def __init__(self, batcher: BatchOwner, loop: asyncio.AbstractEventLoop):
         self.batcher = batcher
         self.loop = loop
         self.pending: dict[Any, _Entry] = {}
@@ -209,52 +228,52 @@ class LoopQueue:
         self.is_busy = True
         stats.num_batches += 1
         stats.num_evaluated += len(batch)
+        try:
+            self._run(batch, keys)
+        except BaseException as exc:  # evaluate or the hand-off raised: this batch fails, the queue goes on
+            self.finish(batch, None, exc, 0.0)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+
+    def _run(self, batch: list[_Entry], keys: list) -> None:
+        """Hands ``keys`` to ``evaluate`` by the batcher's route; each route ends in ``finish``."""
+        batcher = self.batcher
         if batcher.runs_inline:
             start = time.perf_counter()
-            try:
-                results = batcher.evaluate(keys)
-            except Exception as exc:  # noqa: BLE001 - routed to the batch's awaiters
-                self.finish(batch, None, exc, 0.0)
-                return
+            results = batcher.evaluate(keys)
             if isinstance(results, asyncio.Future):  # computed elsewhere; resolved on this loop
                 results.add_done_callback(lambda f: self._on_future_done(batch, f, start))
             else:
                 self.finish(batch, results, None, time.perf_counter() - start)
-            return
-        try:
-            if batcher.is_async:
-                task = self.loop.create_task(_timed_async(batcher.evaluate, keys))
-                task.add_done_callback(lambda t: self._on_async_done(batch, t))
-            else:
+        elif batcher.is_async:
+            task = self.loop.create_task(_timed_async(batcher.evaluate, keys))
+            task.add_done_callback(lambda t: self._on_timed_done(batch, t))
+        else:
+            try:
                 job = batcher.executor.submit(_timed_sync, batcher.evaluate, keys)
-                job.add_done_callback(lambda j: self._on_thread_done(batch, j))
-        except RuntimeError as exc:  # the executor was shut down under us
-            self.finish(batch, None, ClosedError(f"{batcher.name} cannot run: {exc}"), 0.0)
+            except RuntimeError as exc:  # the executor was shut down under us
+                raise ClosedError(f"{batcher.name} cannot run: {exc}") from exc
+            job.add_done_callback(lambda j: self._on_thread_done(batch, j))
 
-    def _on_async_done(self, batch: list[_Entry], task: asyncio.Task) -> None:
-        if task.cancelled():
-            self.finish(batch, None, ClosedError("the event loop was shut down"), 0.0)
-            return
-        exc = task.exception()
-        results, seconds = task.result() if exc is None else (None, 0.0)
-        self.finish(batch, results, exc, seconds)
+    def _on_timed_done(self, batch: list[_Entry], task: asyncio.Task) -> None:
+        timed, error = outcome(task)
+        results, seconds = timed if error is None else (None, 0.0)
+        self.finish(batch, results, error, seconds)
 
     def _on_future_done(self, batch: list[_Entry], future: asyncio.Future, start: float) -> None:
-        if future.cancelled():
-            self.finish(batch, None, ClosedError("the batch's evaluation was cancelled"), 0.0)
-            return
-        exc = future.exception()
-        self.finish(batch, None if exc is not None else future.result(), exc, time.perf_counter() - start)
+        results, error = outcome(future)
+        self.finish(batch, results, error, time.perf_counter() - start)
 
     def _on_thread_done(self, batch: list[_Entry], job: concurrent.futures.Future) -> None:
-        exc = job.exception()
-        results, seconds = job.result() if exc is None else (None, 0.0)
+        """Runs on the worker thread, or on whichever thread cancelled the job."""
+        timed, error = outcome(job)
+        results, seconds = timed if error is None else (None, 0.0)
         try:
-            self.loop.call_soon_threadsafe(self.finish, batch, results, exc, seconds)
+            self.loop.call_soon_threadsafe(self.finish, batch, results, error, seconds)
         except RuntimeError:  # the loop was closed while the engine worked
             # Nobody can await its futures any more; a batch that evaluated is still no
             # failure (early-delivered samples end the loop before their batch ends).
-            closed = None if exc is None else ClosedError("the event loop was closed")
+            closed = None if error is None else ClosedError("the event loop was closed")
             self.finish(batch, results, closed, seconds)
 
     def finish(
@@ -264,39 +283,47 @@ class LoopQueue:
         error: BaseException | None,
         seconds: float,
     ) -> None:
-        """Resolves every waiter of ``batch``, then lets the next batch run."""
+        """Resolves every waiter of ``batch``, then lets the next batch run. Never raises: a
+        result that cannot be delivered fails the waiters it did not reach."""
         stats = self.batcher.stats
         stats.evaluate_s += seconds
-        if error is None and (results is None or len(results) != len(batch)):
-            got = "None" if results is None else len(results)
-            error = RuntimeError(f"evaluate returned {got} results for {len(batch)} keys")
-        if error is not None:
-            stats.num_failed_batches += 1
+        try:
+            if error is None:
+                error = check_results(results, len(batch))
+            if error is None:
+                try:
+                    self._deliver(batch, results)
+                except Exception as exc:  # noqa: BLE001 - a bad result: the rest of the batch fails
+                    error = exc
+            if error is not None:
+                stats.num_failed_batches += 1
+                running = self.running
+                for entry in batch:
+                    if running.get(entry.key) is entry:
+                        del running[entry.key]
+                    fail_all(entry.waiters, functools.partial(batch_error, error, len(batch)))
+        finally:
+            self.is_busy = False
+            if not self.loop.is_closed():
+                self.schedule()
+
+    def _deliver(self, batch: list[_Entry], results: Sequence[Any]) -> None:
+        copy_result = self.batcher.copy_result
         running = self.running
-        if error is not None:
-            for entry in batch:
-                if running.get(entry.key) is entry:
-                    del running[entry.key]
-                fail_all(entry.waiters, lambda: _engine_error(error, len(batch)))
-        else:
-            copy_result = self.batcher.copy_result
-            for entry, result in zip(batch, results):
-                key = entry.key
-                if running.get(key) is entry:
-                    del running[key]
-                waiters = entry.waiters
-                if len(waiters) == 1 and not isinstance(result, BaseException):  # the usual case
-                    fut = waiters[0]
-                    if not fut.done():
-                        try:
-                            fut.set_result(result)
-                        except RuntimeError:  # its loop is closed: the future is done all the same
-                            pass
-                else:
-                    _resolve_all(waiters, result, copy_result)
-        self.is_busy = False
-        if not self.loop.is_closed():
-            self.schedule()
+        for entry, result in zip(batch, results):
+            key = entry.key
+            if running.get(key) is entry:
+                del running[key]
+            waiters = entry.waiters
+            if len(waiters) == 1 and not isinstance(result, BaseException):  # the usual case
+                fut = waiters[0]
+                if not fut.done():
+                    try:
+                        fut.set_result(result)
+                    except RuntimeError:  # its loop is closed: the future is done all the same
+                        pass
+            else:
+                resolve_all(waiters, result, copy_result)
 
 
 def _timed_sync(evaluate: Callable, keys: list) -> tuple[Sequence[Any], float]:
@@ -309,48 +336,3 @@ async def _timed_async(evaluate: Callable, keys: list) -> tuple[Sequence[Any], f
     start = time.perf_counter()
     results = await evaluate(keys)
     return results, time.perf_counter() - start
-
-
-def _engine_error(error: BaseException, batch_size: int) -> BaseException:
-    if isinstance(error, ClosedError):
-        return ClosedError(str(error))
-    exc = EngineError(f"the engine failed on a batch of {batch_size} requests: {error!r}")
-    exc.__cause__ = error
-    return exc
-
-
-def fail_all(waiters: list[asyncio.Future], error_factory: Callable[[], BaseException]) -> None:
-    for fut in waiters:
-        if not fut.done():
-            try:
-                fut.set_exception(error_factory())
-            except RuntimeError:  # its loop is closed: the future is marked done all the same
-                pass
-
-
-def _resolve_all(waiters: list[asyncio.Future], result: Any, copy_result: Callable) -> None:
-    live = [fut for fut in waiters if not fut.done()]
-    for i, fut in enumerate(live):
-        if isinstance(result, BaseException):
-            error = result if i == 0 else _copy_exception(result)
-            fail_all([fut], lambda: error)
-            continue
-        try:
-            value = result if i == 0 else copy_result(result)
-        except Exception as exc:  # noqa: BLE001 - the copy failed: fail this waiter only
-            fail_all([fut], functools.partial(_same, exc))
-            continue
-        try:
-            fut.set_result(value)
-        except RuntimeError:  # its loop is closed: the future is marked done all the same
-            pass
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
-def _copy_exception(exc: BaseException) -> BaseException:
-    twin = copy.copy(exc)
-    twin.__cause__ = exc.__cause__
-    return twin

@@ -50,6 +50,9 @@ class EngineThread(concurrent.futures.Executor):
         self._wakeup = threading.Lock()
         self._wakeup.acquire()  # released: "look at the queue"
         self._closed = False
+        # Held from a submit's closed check to its enqueue, and by a shutdown while it closes:
+        # a task is then either refused or queued before the worker can see "closed, empty".
+        self._closing = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -66,12 +69,13 @@ class EngineThread(concurrent.futures.Executor):
         return self._put(_Task(fn, args, kwargs, False), front=True)
 
     def _put(self, task: _Task, front: bool) -> concurrent.futures.Future:
-        if self._closed:
-            raise RuntimeError("cannot schedule new futures after shutdown")
-        if front:
-            self._queue.appendleft(task)
-        else:
-            self._queue.append(task)
+        with self._closing:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if front:
+                self._queue.appendleft(task)
+            else:
+                self._queue.append(task)
         self._wake()
         return task.future
 
@@ -131,7 +135,8 @@ class EngineThread(concurrent.futures.Executor):
                 self._wakeup.acquire()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._closed = True
+        with self._closing:
+            self._closed = True
         if cancel_futures:
             while self._queue:
                 try:

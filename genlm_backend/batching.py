@@ -19,8 +19,12 @@ What each awaiter gets:
     * every awaiter gets its own result object (extra awaiters of a shared result get a copy
       made by ``copy_result``, a clone for tensors), so no caller can mutate another's;
     * ``evaluate`` may return an exception instance in place of a result: only the awaiters
-      of that key get it; if ``evaluate`` raises, each awaiter of that batch gets its own
-      :class:`~genlm_backend.exceptions.EngineError` and the next batch runs as usual;
+      of that key get it; if ``evaluate`` raises or returns something other than one
+      result per key, each awaiter of that batch gets its own
+      :class:`~genlm_backend.exceptions.EngineError` and the next batch runs as usual (a
+      cancelled evaluation, e.g. a job of an executor shut down with ``cancel_futures``,
+      gives :class:`~genlm_backend.exceptions.ClosedError` instead); no failure on the way
+      back leaves an awaiter pending;
     * cancelling one awaiter removes only its own wait; a key nobody waits for any more is
       dropped from the queue before it reaches the engine.
 
@@ -78,7 +82,8 @@ class BatcherStats:
         num_evaluated: keys passed to ``evaluate`` (sum of batch sizes).
         num_deduplicated: requests that shared a key already queued.
         num_joined: requests that joined a key already being evaluated.
-        num_failed_batches: calls of ``evaluate`` that raised.
+        num_failed_batches: batches whose awaiters all got an error: ``evaluate`` raised,
+            returned something other than one result per key, or was cancelled.
         queue_wait_s: total seconds between a key's queueing and its batch's start.
         evaluate_s: total seconds spent inside ``evaluate``.
     """
@@ -172,9 +177,11 @@ class Batcher(Generic[K, R]):
         """Queues ``key`` and returns its result once its batch has run.
 
         Raises:
-            ClosedError: the batcher was closed, before or while the request waited.
+            ClosedError: the batcher was closed, before or while the request waited, or the
+                evaluation of its batch was cancelled (its executor was shut down).
             RequestDroppedError: ``reset()`` dropped the request before it ran.
-            EngineError: ``evaluate`` raised for this request's batch.
+            EngineError: ``evaluate`` raised for this request's batch, or returned something
+                other than one result per key.
         """
         if self.is_closed:
             raise ClosedError(f"{self.name} is closed")

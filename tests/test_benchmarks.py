@@ -1,9 +1,9 @@
 """The benchmark suite runs end to end in quick mode and every workload leaves sane results.
 
-One run of ``python -m benchmarks --quick`` (about two to three minutes on two cores; it
-starts two vLLM engines) into a temporary folder, shared by the checks below. Each checks
-a workload's JSON: the machine is recorded, every time is positive, and every ratio is the
-one its recorded times give; and that its PNG is a PNG.
+One run of ``python -m benchmarks --quick`` (a few minutes on two cores; it starts four
+vLLM engines) into a temporary folder, shared by the checks below. Each checks a workload's
+JSON: the machine is recorded, every time is positive, and every ratio is the one its
+recorded times give; and that its PNG is a PNG.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def suite(tmp_path_factory):
     return out, done.stdout
 
 
-def load(out: Path, name: str) -> dict:
+def load(out: Path, name: str, rows: str = "rows") -> dict:
     payload = json.loads((out / f"{name}.json").read_text())
     assert payload["workload"] == name
     assert payload["machine"]["cpu_count"] >= 1 and payload["machine"]["torch"]
-    assert payload["rows"], f"{name} recorded no rows"
+    assert payload[rows], f"{name} recorded no {rows}"
     png = (out / f"{name}.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
     return payload
@@ -73,7 +73,7 @@ def test_every_workload_ran_and_the_summary_lists_it(suite):
     out, stdout = suite
     summary = json.loads((out / "suite.json").read_text())
     names = [w["workload"] for w in summary["workloads"]]
-    assert names == ["w1-vllm", "w1-hf", "w2", "w3", "w4", "memory"]
+    assert names == ["w1-vllm", "w1-hf", "w2", "w3", "w4", "memory", "heartbeat"]
     assert all("error" not in w and w["returncode"] == 0 for w in summary["workloads"])
     assert {h["workload"] for h in summary["headlines"]} == set(names)
     for line in summary["headlines"]:
@@ -85,21 +85,21 @@ def test_every_workload_ran_and_the_summary_lists_it(suite):
     assert "=== summary" in stdout
 
 
-def test_w1_vllm(suite):
-    payload = load(suite[0], "w1_vllm_cpu")
-    for row in payload["rows"]:
-        for key in ("ours", "nosess", "floor", "vllm_floor"):
-            check_summary(row[key])
-        assert same(row["wall_s"], row["ours"]["median_s"]) and same(
-            row["floor_s"], row["floor"]["median_s"]
-        )
-        assert same(row["ratio"], row["wall_s"] / row["floor_s"])
-        assert same(row["ratio_nosess"], row["nosess"]["median_s"] / row["floor_s"])
-        # The floor of record: a plain engine with vLLM's defaults, in its own process.
-        assert same(row["floor_vllm_s"], row["vllm_floor"]["median_s"])
-        assert same(row["ratio_vllm"], row["wall_s"] / row["floor_vllm_s"])
-        assert same(row["ratio_vllm_nosess"], row["nosess"]["median_s"] / row["floor_vllm_s"])
-    assert isinstance(payload["config"]["vllm_floor_async_scheduling"], bool)
+def test_w1_and_w5_vllm(suite):
+    payload = load(suite[0], "smc_vllm_cpu", rows="tables")
+    assert set(payload["tables"]) == {"w1", "w5"}
+    for rows in payload["tables"].values():
+        assert [r["N"] for r in rows] == [1, 4]
+        for row in rows:
+            assert row["floor_s"] > 0 and row["own_engine_floor_s"] > 0 and row["sample_s"] > 0
+            assert 0 < row["wall_min_s"] <= row["wall_s"] <= row["wall_max_s"]
+            assert same(row["ratio"], row["wall_s"] / row["floor_s"])
+            # Each run's wall time less its own sampling time is below its wall time, so
+            # the median of the one is below the median of the other.
+            assert 0 < row["ratio_nosample"] < row["ratio"]
+    # The floor: a plain engine with vLLM's defaults, in its own process.
+    assert isinstance(payload["config"]["floor_async_scheduling"], bool)
+    assert payload["stats"]["num_requests"] > 0
 
 
 def test_w1_hf(suite):
@@ -163,3 +163,15 @@ def test_memory(suite):
             row["kv_ratio"], row["kv_cache_bytes"] / row["kv_floor_bytes"]
         )
         assert row["fill_s"] > 0
+
+
+def test_heartbeat(suite):
+    payload = load(suite[0], "heartbeat_hf")
+    idle, *soaks = payload["rows"]
+    assert idle["repeat"] == "idle" and idle["requests"] == 0 and len(soaks) == 1
+    for row in payload["rows"]:
+        assert row["max_ms"] >= row["p99_ms"] >= row["p50_ms"] > 0 and row["beats"] > 0
+    assert all(row["requests"] > 0 for row in soaks)
+    summary = payload["summary"]
+    assert same(summary["max_ms"], max(row["max_ms"] for row in soaks))
+    assert same(summary["max_vs_idle"], summary["max_ms"] / idle["max_ms"])

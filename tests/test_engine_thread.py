@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import threading
 import time
 
@@ -92,3 +94,25 @@ def test_a_hold_ends_at_shutdown():
     start = time.monotonic()
     thread.shutdown(wait=True)
     assert result.result(timeout=5) is False and time.monotonic() - start < 5
+
+
+def test_a_submit_racing_a_shutdown_is_run_or_cancelled_never_left_pending():
+    """A shutdown that lands between a submit's closed check and its enqueue must still see
+    the task: the worker may not exit and leave it pending forever."""
+    thread = EngineThread()
+    shutting = threading.Thread(target=thread.shutdown, kwargs={"wait": True, "cancel_futures": True})
+
+    class ShutdownDuringAppend(collections.deque):
+        def append(self, task):
+            shutting.start()
+            shutting.join(timeout=0.5)  # completes here unless the enqueue holds off a shutdown
+            super().append(task)
+
+    thread._queue = ShutdownDuringAppend()
+    future = thread.submit(lambda: "ran")
+    shutting.join(timeout=10)
+    try:
+        assert future.result(timeout=5) == "ran"
+    except concurrent.futures.CancelledError:
+        pass  # cancelled by the shutdown: settled all the same
+    assert not thread._thread.is_alive()

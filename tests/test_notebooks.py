@@ -42,6 +42,7 @@ def test_there_are_notebooks():
     ]
 
 
+@pytest.mark.vllm  # the quickstart passes vLLM engine options (llm_opts={"engine_opts": ...})
 def test_quickstart_runs_and_its_rows_are_normalised_and_repeatable():
     text = run_notebook(NOTEBOOK_DIR / "quickstart.ipynb")
     # "torch.Size([V]) torch.float32 <logsumexp>": a normalised fp32 row.
@@ -154,8 +155,39 @@ def check_w1_table(text: str, results: Path) -> None:
         ), key
 
 
+def expected_smc(results: Path) -> dict:
+    """(file, workload, N) -> (floor_s, wall_s, wall/floor, ratio_nosample), from the W1/W5 JSON."""
+    expected = {}
+    for path in sorted(results.glob("smc_*.json")):
+        try:
+            tables = json.loads(path.read_text())["tables"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        for workload, rows in tables.items():
+            for r in rows:
+                if all(is_number(r.get(k)) for k in ("N", "floor_s", "wall_s", "ratio_nosample")):
+                    ratio = r["wall_s"] / r["floor_s"]
+                    assert ratio == pytest.approx(r["ratio"], rel=1e-9)  # the file's own ratio
+                    expected[(path.stem, workload, int(r["N"]))] = (
+                        r["floor_s"], r["wall_s"], ratio, r["ratio_nosample"])
+    return expected
+
+
+def check_smc_table(text: str, results: Path) -> None:
+    expected = expected_smc(results)
+    printed = {(c[0], c[1], int(c[2])): c[3:] for c in table_rows(text, "smc_")}
+    assert printed.keys() == expected.keys() and expected
+    for key, (floor, wall, ratio, nosample) in expected.items():
+        cells = printed[key]
+        assert float(cells[0]) == pytest.approx(floor, abs=5.1e-5), key
+        assert float(cells[1]) == pytest.approx(wall, abs=5.1e-5), key
+        assert float(cells[2]) == pytest.approx(ratio, abs=5.1e-4), key
+        assert float(cells[3]) == pytest.approx(nosample, abs=5.1e-4), key
+
+
 def test_performance_notebook_prints_the_ratios_of_the_result_files():
     text = run_notebook(NOTEBOOK_DIR / "performance.ipynb")
+    check_smc_table(text, RESULTS)
     check_w1_table(text, RESULTS)
     assert "<Figure size" in text  # the plot was drawn
     # W3: B times the B=1 median over the B-row median, for every method measured at B=1.
@@ -188,11 +220,12 @@ def test_performance_notebook_prints_the_ratios_of_the_result_files():
 def test_performance_notebook_skips_missing_files_and_ignores_additions(tmp_path, monkeypatch):
     # Only the CPU results, each with fields a later runner might add; no GPU files; plus
     # new files of other shapes, one of them unreadable.
-    for name in ("w1_vllm_cpu_cdf", "w1_hf_cpu", "w3_trie_cpu", "w4_decode_vocab"):
+    for name in ("smc_vllm_cpu", "w1_hf_cpu", "w3_trie_cpu", "w4_decode_vocab"):
         data = json.loads((RESULTS / f"{name}.json").read_text())
         data["suite"] = {"run_id": 7}
-        for row in data["rows"]:
-            row["added_field"] = "x"
+        for rows in data["tables"].values() if "tables" in data else [data["rows"]]:
+            for row in rows:
+                row["added_field"] = "x"
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     (tmp_path / "w1_new_workload.json").write_text(
         json.dumps({"rows": [{"N": 4, "latency_s": 1.0}]})
@@ -201,16 +234,13 @@ def test_performance_notebook_skips_missing_files_and_ignores_additions(tmp_path
     (tmp_path / "suite_summary.json").write_text("[]")
     monkeypatch.setenv("GENLM_BENCHMARK_RESULTS", str(tmp_path))
     text = run_notebook(NOTEBOOK_DIR / "performance.ipynb")
-    for missing in (
-        "w1_vllm_h100_async_off",
-        "w1_vllm_h100_async_on",
-        "w1_hf_h100",
-        "w3_trie_h100",
-    ):
+    for missing in ("smc_vllm_h100_baseline", "w1_hf_h100_batched", "w3_trie_h100", "heartbeat_hf"):
         assert f"note: {missing}.json is missing; skipped" in text
     assert "note: w1_truncated.json could not be read" in text
     assert "note: w1_new_workload.json has no rows with N, floor_s and wall_s; skipped" in text
+    check_smc_table(text, tmp_path)
+    assert {c[0] for c in table_rows(text, "smc_")} == {"smc_vllm_cpu"}
     check_w1_table(text, tmp_path)
-    assert {c[0] for c in table_rows(text, "w1_")} == {"w1_vllm_cpu_cdf", "w1_hf_cpu"}
+    assert {c[0] for c in table_rows(text, "w1_")} == {"w1_hf_cpu"}
     assert {c[0] for c in table_rows(text, "w3_")} == {"w3_trie_cpu"}
     assert len(table_rows(text, "w4_")) == 2

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +87,16 @@ def test_the_alias_is_opt_in():
 @pytest.mark.parametrize("name", sorted(EXPORTED - {"AsyncVirtualLM", "AsyncTransformer"}))
 def test_every_export_resolves(name):
     assert getattr(genlm_backend, name) is not None
+
+
+def test_the_no_vllm_tests_pass_with_vllm_hidden():
+    """tests/test_without_vllm.py, with vllm hidden from the package (GENLM_TESTS_HIDE_VLLM,
+    see tests/conftest.py), so that every lane checks a user without vLLM; the no-vLLM lane
+    (scripts/run_tests_novllm.sh) also runs it where vllm is really absent."""
+    path = Path(__file__).with_name("test_without_vllm.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "GENLM_TESTS_HIDE_VLLM": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout  # ran, all of it

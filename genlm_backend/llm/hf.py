@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..exceptions import EngineError, InvalidRequestError
-from .base import AsyncLM, LogprobsRequest
+from .base import AsyncLM, LogprobsRequest, stops_what_it_started
 from .hf_cache import accepts_logits_to_keep
 from .hf_forward import Step, make_step, plan_chunks, run_chunk, shared_prefixes
 from .hf_kvtrie import KVTrie
@@ -62,6 +62,7 @@ class AsyncTransformer(AsyncLM):
             cache, off by default, keeps whole log-probability rows per prompt and adapter).
     """
 
+    @stops_what_it_started
     def __init__(
         self,
         hf_model: Any,
@@ -157,6 +158,11 @@ class AsyncTransformer(AsyncLM):
         with self._lock, torch.no_grad():
             try:
                 for adapter, slots in by_adapter.items():
+                    removed = self._removed_adapter(adapter)
+                    if removed is not None:  # since these requests were queued: they fail alone
+                        for i in slots:
+                            results[i] = removed
+                        continue
                     with self._adapter(adapter):
                         self._run(
                             adapter,
@@ -362,9 +368,23 @@ class AsyncTransformer(AsyncLM):
                     warnings.simplefilter("ignore", UserWarning)
                     self.model.delete_adapter(lora_name)
 
+    def _removed_adapter(self, lora_name: str | None) -> InvalidRequestError | None:
+        """The error of a request for adapter ``lora_name`` that the model no longer has
+        (removed after the request was checked), or None. Call under ``_lock``."""
+        if lora_name is None or (self._has_adapters and lora_name in self.model.peft_config):
+            return None
+        return InvalidRequestError(f"LoRA adapter {lora_name!r} was removed before this request ran")
+
     @contextlib.contextmanager
     def _adapter(self, lora_name: str | None) -> Iterator[None]:
-        """Runs the body with adapter ``lora_name`` active (None: the base model)."""
+        """Runs the body with adapter ``lora_name`` active (None: the base model).
+
+        Raises:
+            InvalidRequestError: the adapter was removed (never the base model instead).
+        """
+        removed = self._removed_adapter(lora_name)
+        if removed is not None:
+            raise removed
         if not self._has_adapters:
             yield
             return

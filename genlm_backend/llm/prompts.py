@@ -5,12 +5,11 @@ A sampler sends, every step, a prompt that extends one it sent the step before b
 request is built on the earlier request's (already checked) token tuple, and it is linked to
 that request (``parent``), so a backend can find what it keeps for the earlier context
 (``kept``: e.g. the engine session standing for it) without hashing a long context again.
+``benchmarks/bench_prompts.py`` times a request made this way against the full check.
 
-The extension step runs in C where the optional extension ``_prompt_kernel`` was built (see
-``setup.py``): one call, with two passes over the prompt instead of four, so a 160-token
-prompt's request costs about 1.8 us instead of 3.3 (this project's CPU, Python 3.11; 2.1 us
-with only the passes in C; ``benchmarks/bench_prompts.py``). Without the extension, or where it disagrees with the built-in
-hash at import, the step runs in Python.
+The step is Python. A C version (two passes over the prompt instead of four) saved about
+1.5 us a request, 4% of W1 at 64 and 256 particles with a model whose forward pass costs
+nothing, under 1% with the tiny CPU model: not enough to keep C for.
 """
 
 from __future__ import annotations
@@ -61,26 +60,6 @@ def _prefix_hash_works() -> bool:
 
 if not _prefix_hash_works():  # pragma: no cover - another Python's tuple hash
     _prefix_hash = None  # type: ignore[assignment]
-
-try:
-    from . import _prompt_kernel as KERNEL
-except ImportError:  # built without a compiler, or not built: the Python passes run instead
-    KERNEL = None
-
-
-def _kernel_works(kernel: Any) -> bool:
-    samples = [[1, 2], (0, 5, 7), list(range(1000, 1300)), [2**40, 3, 4], [4.0, 5, 6], [7]]
-    try:
-        return all(kernel.hashes(t) == (hash(tuple(t)), hash(tuple(t[:-1]))) for t in samples) and (
-            kernel.extend((1, 2), [1, 2, 3]) == (1, 2, 3) and kernel.extend((1, 2), [1, 5, 3]) is None
-        ) and callable(getattr(kernel, "extension", None))
-    except Exception:  # noqa: BLE001 - any surprise: the Python passes
-        return False
-
-
-if KERNEL is not None and not _kernel_works(KERNEL):  # pragma: no cover - another Python's tuple hash
-    KERNEL = None
-
 
 class LogprobsRequest:
     """One distinct request handed to a backend: a prompt and the adapter to use.
@@ -146,9 +125,9 @@ class PromptChecker:
     next step began) once it holds ``min_remember`` requests and at least as many as the one
     before, or when it holds ``remember``. So a lockstep sampler's requests live about three
     steps: long enough for every particle to find its parent also when some particles run
-    two steps ahead of others (free-running sessions hand rows out as soon as the engine has
-    them, and a particle whose row needs a batch falls behind), short enough that they die
-    young (requests held longer are what Python's garbage collector spends its time on).
+    a step or two ahead of others (particles that do not move in lockstep, e.g. whose rows
+    came from the output cache), short enough that they die young (requests held longer
+    are what Python's garbage collector spends its time on).
     """
 
     def __init__(self, vocab_size: int, max_len: int | None, remember: int = 4096, min_remember: int = 64):
@@ -168,19 +147,14 @@ class PromptChecker:
         if (kind is list or kind is tuple) and len(token_ids) > 1:
             last = token_ids[-1]
             if type(last) is int and 0 <= last < self.vocab_size and (self.max_len is None or len(token_ids) <= self.max_len):
-                kernel = KERNEL
-                if kernel is None:
-                    request = self._extension(token_ids, last, lora_name)
-                else:  # the same steps in one call
-                    request = kernel.extension(self, token_ids, last, lora_name, LogprobsRequest)
+                request = self._extension(token_ids, last, lora_name)
                 if request is not None:
                     return request
         return self._remember(LogprobsRequest(check_token_ids(token_ids, self.vocab_size, self.max_len), lora_name))
 
     def _extension(self, token_ids: Any, last: int, lora_name: str | None) -> LogprobsRequest | None:
         """The request of ``token_ids`` built on the remembered request of all but its last
-        id, or None when there is none. (The kernel's ``extension`` takes the same steps,
-        with its ``hashes`` and ``extend`` for the passes over the prompt.)"""
+        id, or None when there is none."""
         try:
             ids = tuple(token_ids)
             ids_hash = hash(ids)

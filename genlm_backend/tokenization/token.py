@@ -20,10 +20,13 @@ class Token(bytes):
       their bytes are not compared. Distinct ids with the same bytes (a vocabulary may hold
       duplicates) stay distinct as dict keys and set members, and equal ids are equal across
       separately decoded vocabularies.
-    * A ``Token`` compared with plain ``bytes`` (not a ``Token``) compares by content, so
-      ``Token(token_id=3, byte_string=b"ab") == b"ab"``. Such a mixed comparison may be equal
-      while the hashes differ (the hash is the id's): do not mix ``Token`` and plain ``bytes``
-      as keys of one dict.
+    * Two ``Token`` objects order (``<``, ``<=``, ``>``, ``>=``) by token id, as in
+      genlm-backend 0.3.1: ``Token(1, b"z") < Token(2, b"a")``, and ``sorted(byte_vocab)``
+      follows the ids. Sort by ``bytes(token)`` (or ``Token.as_bytes``) for byte order.
+    * A ``Token`` compared with plain ``bytes`` (not a ``Token``) compares, and orders, by
+      content, so ``Token(token_id=3, byte_string=b"ab") == b"ab"``. Such a mixed comparison
+      may be equal while the hashes differ (the hash is the id's): do not mix ``Token`` and
+      plain ``bytes`` as keys of one dict, nor in one list you sort.
 
     Tokens are immutable; they pickle, copy and deep-copy keeping the id.
 
@@ -91,6 +94,26 @@ class Token(bytes):
     def __ne__(self, other: object) -> bool:
         equal = self.__eq__(other)
         return equal if equal is NotImplemented else not equal
+
+    def __lt__(self, other: object) -> bool:
+        if isinstance(other, Token):
+            return self.token_id < other.token_id
+        return bytes.__lt__(self, other)
+
+    def __le__(self, other: object) -> bool:
+        if isinstance(other, Token):
+            return self.token_id <= other.token_id
+        return bytes.__le__(self, other)
+
+    def __gt__(self, other: object) -> bool:
+        if isinstance(other, Token):
+            return self.token_id > other.token_id
+        return bytes.__gt__(self, other)
+
+    def __ge__(self, other: object) -> bool:
+        if isinstance(other, Token):
+            return self.token_id >= other.token_id
+        return bytes.__ge__(self, other)
 
     def __hash__(self) -> int:
         return hash(self.token_id)

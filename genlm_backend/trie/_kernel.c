@@ -251,11 +251,20 @@ static char get_matrix(PyObject *obj, Py_buffer *view, int flags, const char *na
     return code;
 }
 
+/* Whether two buffers share a byte (C-contiguous: each spans buf .. buf + len). */
+static int overlap(const Py_buffer *a, const Py_buffer *b)
+{
+    const uintptr_t a_lo = (uintptr_t)a->buf, b_lo = (uintptr_t)b->buf;
+    return a->len > 0 && b->len > 0 && a_lo < b_lo + (uintptr_t)b->len &&
+           b_lo < a_lo + (uintptr_t)a->len;
+}
+
 PyDoc_STRVAR(Plan_reduce_doc,
 "reduce(op, weights, out, num_threads=1)\n--\n\n"
 "Writes the trie sums (op='sum') or maxima (op='max') of every row of `weights`\n"
 "([B, V], C-contiguous float32 or float64) into `out` ([B, num_internal + V], the\n"
-"same dtype), with rows split between `num_threads` threads. The GIL is released.");
+"same dtype, memory of its own), with rows split between `num_threads` threads. The\n"
+"GIL is released.");
 
 static PyObject *Plan_reduce(PlanObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -282,6 +291,9 @@ static PyObject *Plan_reduce(PlanObject *self, PyObject *args, PyObject *kwargs)
     }
     if (out_code != code || out.shape[0] != weights.shape[0]) {
         PyErr_SetString(PyExc_ValueError, "out must have the dtype and the rows of weights");
+    } else if (overlap(&weights, &out)) {
+        /* each row's weights are copied into out, and threads write other rows */
+        PyErr_SetString(PyExc_ValueError, "out must not overlap weights");
     } else {
         Job job = {.plan = self,
                    .is_max = is_max,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -249,3 +250,33 @@ def test_a_sync_twin_inside_the_sync_loop_raises_instead_of_deadlocking(lm):
     with pytest.raises(RuntimeError, match="await the async method"):
         run_sync(nested())
     assert torch.equal(lm.next_token_logprobs_sync([1]), lm.logprobs_of([1]))  # still works
+
+
+async def test_sampled_tokens_equal_a_direct_draw_from_the_reference_rows(lm):
+    """Exact: the same generator math on the reference rows, step by step."""
+    for temperature in (1.0, 0.7):
+        generator, context, expected = torch.Generator().manual_seed(11), [4, 5], []
+        for _ in range(6):
+            probs = torch.softmax(lm.logprobs_of(context) / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+            expected.append(token)
+            context.append(token)
+        assert await lm.sample([4, 5], 6, [], temperature=temperature, seed=11) == expected
+
+
+async def test_sampling_draws_run_off_the_event_loop_thread(lm, monkeypatch):
+    """A draw is an O(V) pass (about 1 ms at V = 32k): run on the loop, concurrent samplers'
+    draws add up to blocks of the whole loop."""
+    threads, multinomial = [], torch.multinomial
+
+    def recording_multinomial(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return multinomial(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", recording_multinomial)
+    await asyncio.gather(*(lm.sample([i + 1], 3, [], seed=i) for i in range(4)))
+    assert len(threads) == 12
+    assert threading.current_thread() not in threads
+    lm.cleanup()  # the draws' thread ends with the model: a library leaves no thread behind
+    threads[0].join(timeout=10)
+    assert not threads[0].is_alive()

@@ -515,3 +515,17 @@ async def test_cuda_model_matches_its_reference(dtype, tol):
     for prompt, row, row_more in zip(prompts, rows, more):
         assert_close(row, reference_logprobs(model, prompt), tol)
         assert_close(row_more, reference_logprobs(model, prompt + [1]), tol)
+
+
+def test_a_failed_constructor_stops_the_threads_it_started():
+    """Anything the constructor started, it stops when it fails: a bad argument after the
+    engine thread was started used to leave that thread running (one per retry)."""
+    import threading
+
+    def ours() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("genlm-AsyncTransformer")}
+
+    before = ours()
+    with pytest.raises(ValueError, match="max_bytes"):
+        AsyncTransformer(shared_tiny_llama(), tiny_tokenizer(), max_kv_cache_bytes=-1)
+    assert ours() == before

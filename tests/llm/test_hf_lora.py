@@ -148,3 +148,57 @@ def test_bad_adapter_path_is_a_value_error(lm, tmp_path):
         lm.next_token_logprobs_sync([1, 2, 3], lora_name="a"),
         reference_logprobs(merged_model("a"), [1, 2, 3]),
     )
+
+
+# ---- mixed batches, and adapters removed while their requests wait -----------------------
+
+HF_MIXES = {
+    "a+none": [(41, "a"), (41, None)],
+    "repeated": [(46, None), (46, "a"), (46, "b"), (46, None), (46, "a"), (47, "b"), (47, None)],
+}
+
+
+@pytest.mark.parametrize("mix", list(HF_MIXES))
+async def test_mixed_batches_match_their_references(lm, reference_base, mix):
+    calls = [(random_prompt(11 + seed % 5, seed=seed), name) for seed, name in HF_MIXES[mix]]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p, lora_name=name) for p, name in calls))
+    assert lm.stats()["num_batches"] == 1
+    for (prompt, name), row in zip(calls, rows):
+        reference = reference_base if name is None else merged_model(name)
+        assert_close(row, reference_logprobs(reference, prompt))
+
+
+async def test_one_batch_extends_a_context_under_every_adapter(lm, reference_base):
+    """Key/value states of one context kept per adapter, extended in one batch by all three."""
+    prompt = random_prompt(16, seed=48)
+    await asyncio.gather(*(lm.next_token_logprobs(prompt, lora_name=name) for name in (None, "a", "b")))
+    calls = [(prompt + [7], name) for name in ("b", None, "a")] + [(prompt + [7, 9], None)]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p, lora_name=name) for p, name in calls))
+    for (context, name), row in zip(calls, rows):
+        reference = reference_base if name is None else merged_model(name)
+        assert_close(row, reference_logprobs(reference, context))
+
+
+REMOVAL_CALLS = [(50, None), (50, "a"), (51, "b"), (51, "a"), (52, None)]
+
+
+@pytest.mark.parametrize("keep_b", [True, False], ids=["another-adapter-left", "last-adapter"])
+async def test_removing_an_adapter_fails_only_its_queued_requests(lm, reference_base, keep_b):
+    """The adapter goes between the requests' submission and their batch's evaluation: its
+    requests get an error naming it (never the base model's rows); the others are exact."""
+    calls = [(random_prompt(12, seed=seed), name) for seed, name in REMOVAL_CALLS if keep_b or name != "b"]
+    if not keep_b:
+        lm.remove_lora("b")  # "a" is then the last adapter: removing it unloads peft
+    tasks = [asyncio.ensure_future(lm.next_token_logprobs(p, lora_name=name)) for p, name in calls]
+    await asyncio.sleep(0)  # every request is validated and queued; the batch starts after this
+    batches_before = lm.stats()["num_batches"]
+    lm.remove_lora("a")  # blocks the loop: the batch cannot start meanwhile
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert lm.stats()["num_batches"] == batches_before + 1
+    for (prompt, name), result in zip(calls, results):
+        if name == "a":
+            assert isinstance(result, InvalidRequestError) and "'a'" in str(result), repr(result)
+        else:
+            assert isinstance(result, torch.Tensor), f"{name!r} request failed: {result!r}"
+            reference = reference_base if name is None else merged_model(name)
+            assert_close(result, reference_logprobs(reference, prompt))

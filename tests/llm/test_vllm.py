@@ -291,7 +291,7 @@ async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_en
     assert len(await vlm.sample(prompts[0], 3, [], seed=0)) == 3
     vlm.close_sessions()
     out = await asyncio.wait_for(
-        asyncio.to_thread(vlm.underlying_model.generate, [TokensPrompt(prompt_token_ids=[5, 6, 7])],
+        asyncio.to_thread(vlm.llm.generate, [TokensPrompt(prompt_token_ids=[5, 6, 7])],
                           SamplingParams(max_tokens=2), use_tqdm=False),
         timeout=120,
     )
@@ -299,7 +299,7 @@ async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_en
 
 
 def test_warm_up_primes_the_prefix_cache(vlm):
-    block_size = vlm.underlying_model.llm_engine.vllm_config.cache_config.block_size
+    block_size = vlm.llm.llm_engine.vllm_config.cache_config.block_size
     prefix = prompts_of([2 * block_size + 8], seed=18)[0]
     vlm.warm_up(prefix)
     cached = vlm.stats()["engine"]["num_cached_prompt_tokens"]
@@ -327,7 +327,7 @@ async def test_reset_async_queries_fails_every_queued_waiter(vlm):
 
 
 def test_engine_options_pass_through(vlm):
-    config = vlm.underlying_model.llm_engine.vllm_config
+    config = vlm.llm.llm_engine.vllm_config
     assert config.scheduler_config.max_num_seqs == 8
     assert config.scheduler_config.max_num_batched_tokens == 256
     assert config.cache_config.enable_prefix_caching is True

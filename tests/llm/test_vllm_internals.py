@@ -396,7 +396,7 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
     session = types.SimpleNamespace(prompt_token_ids=[1, 2], max_tokens=3)
     scheduler._update_request_as_session(session, types.SimpleNamespace(prompt_token_ids=[4], max_tokens=500))
     assert session.prompt_token_ids == [1, 2, 4] and session.max_tokens == 500
-    engine_scheduler = vlm.underlying_model.llm_engine.engine_core.engine_core.scheduler
+    engine_scheduler = vlm.llm.llm_engine.engine_core.engine_core.scheduler
     assert engine_scheduler._genlm_chunk_max_tokens is True
     params = inspect.signature(type(engine_scheduler)._update_request_as_session).parameters
     assert list(params)[1:] == ["session", "update"]
@@ -413,11 +413,13 @@ def test_prefer_v1_model_runner_sets_the_variable_unless_the_caller_did(monkeypa
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm.v1.worker.gpu.sample.logits_processor") is None,
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None  # (collected without vllm too)
+                    and importlib.util.find_spec("vllm.v1.worker.gpu.sample.logits_processor") is None,
                     reason="this vLLM has no Model Runner V2 logits processors")
 def test_model_runner_v2_would_refuse_the_capture_processor(vlm):
     # Why the V1 runner is asked for: V2's loader takes only its own processor type, and
-    # the engine reads the variable prefer_v1_model_runner set (False also without Triton).
+    # the engine read the setting start_engine made while it was built (False also without
+    # Triton).
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as RunnerV2Processor
     from vllm.v1.worker.gpu.sample.logits_processor import loader
 
@@ -426,8 +428,7 @@ def test_model_runner_v2_would_refuse_the_capture_processor(vlm):
     assert not issubclass(LogprobsCaptureProcessor, RunnerV2Processor)
     with pytest.raises(ValueError, match="not a subclass"):
         loader._load_v2_logitsprocs_by_fqcns([LogprobsCaptureProcessor])
-    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
-    assert vlm.underlying_model.llm_engine.vllm_config.use_v2_model_runner is False
+    assert vlm.llm.llm_engine.vllm_config.use_v2_model_runner is False
 
 
 def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects(vlm):
@@ -438,7 +439,7 @@ def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects
     assert forward.index("apply_logits_processors(") < forward.index("self.sample(")
     assert list(inspect.signature(Sampler.sample).parameters)[1:3] == ["logits", "sampling_metadata"]
     assert "self._to_list(sampled_token_ids)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
-    engine = vlm.underlying_model.llm_engine
+    engine = vlm.llm.llm_engine
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     assert vlm._forcing is not None and runner._genlm_forced_sampling is vlm._forcing
     from genlm_backend.llm import vllm_internals
@@ -537,7 +538,7 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_refere
     from genlm_backend.llm import vllm_internals
 
     assert "resumable" in inspect.signature(InputProcessor.process_inputs).parameters
-    engine = vlm.underlying_model.llm_engine
+    engine = vlm.llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     sink = vlm._sink
     context, request_id, previous = [], f"genlm-test-session-{reuse_previous}", None
@@ -572,7 +573,7 @@ def test_held_sessions_rely_on_the_runner_mask_and_park_with_their_kv(vlm, hf_re
 
     from genlm_backend.llm import vllm_internals
 
-    engine = vlm.underlying_model.llm_engine
+    engine = vlm.llm.llm_engine
     assert vllm_internals.discard_mask_reader(engine) is not None
     assert vlm._holds
     scheduler = engine.engine_core.engine_core.scheduler
@@ -643,3 +644,37 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
     vllm_capture.deliver_remote(pickle.loads(pickle.dumps(in_ring)), ring)
     ring.rows.zero_()  # what the sinks got are copies
     assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[1])
+
+
+def test_underlying_model_is_the_torch_module_the_engine_runs(vlm, hf_reference):
+    """``underlying_model`` (genlm-backend 0.3.1: the model runner's ``model``) is where
+    ``vllm_internals.model_module`` finds it; vLLM moving it fails here, not in users' hooks."""
+    from genlm_backend.llm import vllm_internals
+
+    runner = vlm.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    module = vlm.underlying_model
+    assert isinstance(module, torch.nn.Module) and module is runner.get_model()
+    assert vllm_internals.model_module(vlm.llm) is module
+    assert type(vlm.llm).__name__ == "LLM"  # the engine keeps its own name
+    # The engine runs it: a forward hook on it sees the request's tokens.
+    calls = []
+    handle = module.register_forward_hook(lambda mod, args, output: calls.append(mod))
+    try:
+        prompt = [5, 900, 31000, 7]
+        assert_matches(vlm.next_token_logprobs_sync(prompt), hf_reference("base", prompt))
+    finally:
+        handle.remove()
+    assert calls and all(m is module for m in calls)
+
+
+def test_model_module_names_why_the_model_is_not_in_this_process():
+    from genlm_backend.llm import vllm_internals
+
+    mp_engine_core = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=object()))
+    with pytest.raises(RuntimeError, match="engine core in another process"):
+        vllm_internals.model_module(mp_engine_core)
+    workers = types.SimpleNamespace(model_executor=types.SimpleNamespace(workers=[]))
+    elsewhere = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=types.SimpleNamespace(
+        engine_core=workers)))
+    with pytest.raises(RuntimeError, match="workers are other processes"):
+        vllm_internals.model_module(elsewhere)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 
 import pytest
@@ -49,7 +50,7 @@ def test_sync_context_manager_cleans_up(vllm_lm):
             self._sample_batcher.close()
             self._sink.close()
 
-    with NoShutdown(vllm_lm.underlying_model) as lm:
+    with NoShutdown(vllm_lm.llm) as lm:
         assert lm.next_token_logprobs_sync([3, 4]).shape == (32000,)
     assert lm.is_closed
     with pytest.raises(RuntimeError):
@@ -76,7 +77,7 @@ async def test_speculative_decoding_samples_and_lists_exact_rows(vllm_lm, tiny_m
             "speculative_config": {"method": "draft_model", "model": base, "num_speculative_tokens": 2}}
     lm = AsyncVirtualLM.from_name(base, engine_opts=opts)
     try:
-        assert lm.underlying_model.llm_engine.vllm_config.speculative_config is not None
+        assert lm.llm.llm_engine.vllm_config.speculative_config is not None
         reference = await vllm_lm.sample(prompts[0], 12, [], temperature=0.0)
         assert await lm.sample(prompts[0], 12, [], temperature=0.0) == reference
         *rows, bad, short = await asyncio.gather(
@@ -95,6 +96,58 @@ async def test_speculative_decoding_samples_and_lists_exact_rows(vllm_lm, tiny_m
         lm.cleanup()
 
 
+def _engine_threads() -> set:
+    import threading
+
+    return {t for t in threading.enumerate() if t.name == "genlm-AsyncVirtualLM"}
+
+
+def test_a_failed_from_name_shuts_down_the_engine_it_started(tiny_model_dirs, monkeypatch):
+    """A constructor argument refused after the engine started: the engine is shut down and
+    its memory freed, no engine thread is left, and a retry finds the process as it was."""
+    import gc
+    import weakref
+
+    import vllm
+
+    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    started = []
+
+    class Recorded(vllm.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(weakref.ref(self))
+
+    monkeypatch.setattr(vllm, "LLM", Recorded)
+    threads, registered = _engine_threads(), set(vllm_internals._LIVE_ENGINES)
+    with pytest.raises(TypeError, match="sessions must be"):
+        AsyncVirtualLM.from_name(
+            str(tiny_model_dirs["base"]), engine_opts={"dtype": "float32", "max_model_len": 128, **GPU_ENGINE_OPTS},
+            sessions="many",
+        )
+    assert len(started) == 1
+    assert _engine_threads() == threads
+    assert set(vllm_internals._LIVE_ENGINES) == registered  # not counted among the live engines
+    gc.collect()
+    assert started[0]() is None  # nothing holds the engine: its weights and KV cache are freed
+
+
+def test_a_failed_constructor_stops_its_engine_thread_and_leaves_the_engine_working(vllm_lm):
+    """On an engine the caller built: what the constructor started stops; the engine is the
+    caller's, and keeps working."""
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    threads = _engine_threads()
+    with pytest.raises(TypeError, match="sessions must be"):
+        AsyncVirtualLM(vllm_lm.llm, sessions="many")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        AsyncVirtualLM(vllm_lm.llm, batch_size=0)
+    assert _engine_threads() == threads
+    assert vllm_lm.next_token_logprobs_sync([3, 4]).shape == (32000,)
+
+
 def test_listing_refusal_names_max_logprobs():
     from genlm_backend.llm.vllm import listing_refusal
 
@@ -102,3 +155,33 @@ def test_listing_refusal_names_max_logprobs():
     assert listing_refusal(32000, 32000) is None
     message = listing_refusal(20, 32000)
     assert "max_logprobs=20" in message and "max_logprobs=-1" in message
+
+
+async def test_a_lockstep_run_leaves_the_callers_thread_and_process_settings_as_they_were(vlm):
+    """The backend changes nothing the caller owns: the event loop's thread keeps its CPU
+    affinity during and after a lockstep run (``share_core=True``, now removed, pinned it to
+    one core until the sessions were closed), and torch's thread count, the GIL switch
+    interval and the garbage collector's settings stay the caller's."""
+    import gc
+    import os
+    import sys
+
+    import torch
+
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    def settings():
+        return (os.sched_getaffinity(0), torch.get_num_threads(), sys.getswitchinterval(), gc.get_threshold(),
+                gc.isenabled())
+
+    with pytest.raises(TypeError, match="share_core"):
+        AsyncVirtualLM(vlm.llm, share_core=True)
+    before, seen = settings(), []
+    contexts = [[5, 6, 7 + i] for i in range(4)]
+    for _ in range(4):
+        rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+        seen.append(settings())
+        contexts = [c + [int(r.argmax())] for c, r in zip(contexts, rows)]
+    vlm.close_sessions()
+    assert all(s == before for s in seen), (before, seen)
+    assert settings() == before

@@ -254,7 +254,7 @@ def test_close_sessions_lets_the_engine_be_driven_directly(vlm):
 
     vlm.next_token_logprobs_sync(prompts_of([6], seed=39)[0])
     assert vlm.close_sessions() >= 1
-    llm = vlm.underlying_model
+    llm = vlm.llm
     out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
 
@@ -275,7 +275,7 @@ async def test_a_stalled_engine_frees_its_parked_sessions(vlm, hf_reference):
 
     from genlm_backend.llm import vllm_internals
 
-    engine = vlm.underlying_model.llm_engine
+    engine = vlm.llm.llm_engine
 
     def park_foreign():
         params = SamplingParams(max_tokens=1, extra_args=vlm._sink.extra_args(vlm._sink.new_tag()))
@@ -318,7 +318,7 @@ async def test_out_of_memory_in_a_step_of_continued_sessions_retries_them_as_pla
 
     contexts = prompts_of([5, 7, 9, 11], seed=45)
     final, _ = await lockstep(vlm, contexts, 2)  # every session is held after this
-    engine = vlm.underlying_model.llm_engine
+    engine = vlm.llm.llm_engine
     original, calls = engine.step, []
 
     def out_of_memory_once():

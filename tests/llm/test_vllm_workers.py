@@ -15,6 +15,7 @@ import importlib.util
 
 import pytest
 import torch
+import vllm_fixtures
 from vllm_fixtures import ENGINE_OPTS, MAX_MODEL_LEN, assert_matches, cpu_lora, prompts_of
 
 pytestmark = [
@@ -22,7 +23,9 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]
 
-
+# Fixtures of the LoRA tests.
+second_adapter_dirs = vllm_fixtures.second_adapter_dirs
+lora_reference = vllm_fixtures.lora_reference
 
 @pytest.fixture(scope="module")
 def worker_lm(tiny_model_dirs):
@@ -38,9 +41,15 @@ def worker_lm(tiny_model_dirs):
 def test_the_model_runner_is_in_another_process(worker_lm):
     from genlm_backend.llm import vllm_internals
 
-    engine = worker_lm.underlying_model.llm_engine
+    engine = worker_lm.llm.llm_engine
     assert vllm_internals.discard_mask_reader(engine) is None  # no runner here
     assert worker_lm._remote is not None and not worker_lm._holds
+
+
+def test_underlying_model_says_the_model_is_in_a_worker_process(worker_lm):
+    with pytest.raises(RuntimeError, match="workers are other processes"):
+        worker_lm.underlying_model  # noqa: B018
+    assert type(worker_lm.llm).__name__ == "LLM"  # the engine is reachable here
 
 
 async def test_rows_from_a_worker_equal_a_forward_pass(worker_lm, hf_reference):
@@ -108,6 +117,24 @@ def test_an_adapter_in_a_worker_matches_the_merged_model(worker_lm, tiny_model_d
         worker_lm.remove_lora("ad")
 
 
+@cpu_lora
+async def test_a_batch_mixing_adapters_in_a_worker_matches_its_references(worker_lm, tiny_model_dirs,
+                                                                          second_adapter_dirs, lora_reference):
+    """Both adapter slots filled, base and adapter rows in one batch: the CPU LoRA fix
+    (``install_lora_base_rows``) reaches the worker process too."""
+    worker_lm.add_new_lora(str(tiny_model_dirs["adapter"]), "a")
+    worker_lm.add_new_lora(str(second_adapter_dirs["adapter"]), "b")
+    try:
+        p, q = prompts_of([13, 6], seed=76)
+        calls = [(p, None), (p, "a"), (p, "b"), (q, "a"), (q, None)]
+        rows = await asyncio.gather(*(worker_lm.next_token_logprobs(c, lora_name=n) for c, n in calls))
+        for (context, name), row in zip(calls, rows):
+            assert_matches(row, lora_reference(name, context))
+    finally:
+        worker_lm.remove_lora("a")
+        worker_lm.remove_lora("b")
+
+
 # Tensor parallelism in a process of its own: vLLM reads its settings once per process, and
 # two CPU workers need VLLM_CPU_OMP_THREADS_BIND=nobind on a one-NUMA-node machine.
 _TP_RUN = """
@@ -125,7 +152,7 @@ async def main():
     return {"contexts": prompts + contexts, "rows": torch.stack(list(first) + list(second))}
 
 torch.save(asyncio.run(main()), out)
-print("RESULT", lm.underlying_model.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+print("RESULT", lm.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
 lm.cleanup()
 """
 

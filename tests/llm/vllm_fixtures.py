@@ -19,8 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MAX_MODEL_LEN = 512
@@ -167,7 +165,7 @@ def vlm(vllm_lm):
     yield vllm_lm
     # Once other engine work ends the hold of the last step, no request may be left running:
     # a row delivered early must not leave its engine request generating.
-    scheduler = vllm_lm.underlying_model.llm_engine.engine_core.engine_core.scheduler
+    scheduler = vllm_lm.llm.llm_engine.engine_core.engine_core.scheduler
     if not vllm_lm.is_closed:
         running, _ = vllm_lm._engine_thread.submit(scheduler.get_request_counts).result(timeout=120)
         assert running == 0, f"{running} engine requests still running after the test"
@@ -175,3 +173,39 @@ def vlm(vllm_lm):
     vllm_lm.clear_lora()
     for name in list(vllm_lm._lora_paths):
         vllm_lm.remove_lora(name)
+
+
+@pytest.fixture(scope="session")
+def second_adapter_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, Path]:
+    """A second random peft adapter of the tiny model (another seed): ``adapter`` and the
+    ``merged`` model it stands for, for batches that mix two adapters and the base model."""
+    root = tmp_path_factory.mktemp("vllm_second_adapter")
+    build_lora(tiny_model_dirs["base"], root / "adapter", root / "merged", seed=2)
+    return {"adapter": root / "adapter", "merged": root / "merged"}
+
+
+@pytest.fixture(scope="session")
+def lora_reference(hf_reference, second_adapter_dirs):
+    """``logprobs(lora_name, token_ids) -> [V]`` for adapter names None (the base model),
+    ``"a"`` (the ``adapter`` of :func:`tiny_model_dirs`) and ``"b"`` (:func:`second_adapter_dirs`):
+    a plain transformers forward pass of the base or merged weights in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    second: list = []
+
+    def logprobs(lora_name, token_ids) -> torch.Tensor:
+        if lora_name is None:
+            return hf_reference("base", token_ids)
+        if lora_name == "a":
+            return hf_reference("merged", token_ids)
+        if lora_name != "b":
+            raise KeyError(lora_name)
+        if not second:
+            second.append(AutoModelForCausalLM.from_pretrained(
+                str(second_adapter_dirs["merged"]), dtype=torch.float32).eval())
+        with torch.no_grad():
+            logits = second[0](torch.tensor([list(token_ids)])).logits[0, -1]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    return logprobs

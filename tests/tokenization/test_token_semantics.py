@@ -77,6 +77,41 @@ def test_against_plain_bytes_compares_content(token_id, data, other):
     assert token == bytearray(data)
 
 
+def test_tokens_order_by_id_as_in_genlm_backend_0_3_1():
+    z, a = Token(1, b"z"), Token(2, b"a")
+    assert z < a and z <= a and a > z and a >= z
+    assert not (a < z) and not (z > a) and not (a <= z) and not (z >= a)
+    assert sorted([a, z]) == [z, a] and max(a, z) is a and min(a, z) is z
+    same_id = Token(1, b"other bytes")
+    assert z <= same_id and z >= same_id and not (z < same_id) and not (z > same_id)
+
+
+@given(token_ids, token_ids, byte_strings, byte_strings)
+def test_two_tokens_compare_as_their_ids(id_a, id_b, data_a, data_b):
+    a, b = Token(id_a, data_a), Token(id_b, data_b)
+    assert (a < b, a <= b, a > b, a >= b) == (id_a < id_b, id_a <= id_b, id_a > id_b, id_a >= id_b)
+
+
+@given(token_ids, byte_strings, byte_strings)
+def test_a_token_against_plain_bytes_orders_by_content(token_id, data, other):
+    token = Token(token_id, data)
+    for plain in (other, bytearray(other)):
+        assert (token < plain, token <= plain, token > plain, token >= plain) == (
+            data < other, data <= other, data > other, data >= other)
+    # plain bytes on the left: Python asks the Token (a bytes subclass) first
+    assert (other < token, other <= token, other > token, other >= token) == (
+        other < data, other <= data, other > data, other >= data)
+
+
+def test_ordering_against_non_bytes_is_a_type_error():
+    token = Token(3, b"3")
+    for other in ("3", 3, None):
+        with pytest.raises(TypeError):
+            token < other  # noqa: B015
+        with pytest.raises(TypeError):
+            other >= token  # noqa: B015
+
+
 def test_never_equal_to_non_bytes():
     token = Token(token_id=3, byte_string=b"3")
     assert token != "3" and token != 3 and token != None  # noqa: E711

@@ -1,0 +1,1 @@
+"""Diagnostics: scripts that say where the time of a workload goes (see ../README.md)."""

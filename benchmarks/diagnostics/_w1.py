@@ -1,0 +1,58 @@
+"""What the W1/W5 diagnostics share: the workload of record (``bench_smc_vllm``), its flags
+plus ``--micro``, its backend, and vLLM's own decode loop on that backend's engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
+
+from benchmarks.bench_smc_vllm import UserSampler, parse_args, smc
+from benchmarks.models import parse_opts, vocab_size, workload_model
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``bench_smc_vllm``'s flags, plus ``--micro``: on a CPU, the one-layer 256-output model
+    whose forward pass costs next to nothing (a step is then host-side work, as on a GPU)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--micro", action="store_true")
+    known, rest = parser.parse_known_args(argv)
+    args = parse_args(rest)
+    args.micro = known.micro
+    if args.micro and "--steps" not in rest:
+        args.steps, args.prompt_len = 32, 128  # the GPU run's shape
+    return args
+
+
+def start(args: argparse.Namespace, before_model: Callable[[], None] = lambda: None) -> tuple[Any, list[int]]:
+    """The backend with the default constructor, as the workload builds it, and the prompt.
+    ``before_model`` runs first (wrappers installed then reach the backend's batchers)."""
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    model_dir, opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir, micro=args.micro)
+    opts.update(parse_opts(args.engine_opt))
+    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
+    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    before_model()
+    return AsyncVirtualLM.from_name(str(model_dir), engine_opts=opts), prompt
+
+
+def run_ours(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str) -> None:
+    """One run of the workload (``"w1"`` or ``"w5"``) at ``n`` particles."""
+    sampler = UserSampler(workload, lm.vocab_size, args.seed)
+    asyncio.run(smc(lm, prompt, n, args.steps, sampler))
+
+
+def run_floor(lm: Any, prompt: list[int], n: int, args: argparse.Namespace) -> None:
+    """vLLM's own decode loop over the same forward passes, on the backend's engine."""
+    from vllm import SamplingParams, TokensPrompt
+
+    lm.close_sessions()  # llm.generate would wait for the parked sessions
+    params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
+    lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)

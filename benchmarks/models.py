@@ -1,0 +1,90 @@
+"""The random-weight models and engine options that the vLLM workloads share.
+
+Weights are random: the workloads time the backend around the model, and every result is a
+ratio against a floor run on the same weights. ``build_model`` saves a model folder once and
+reuses it, so the first run of a configuration pays for building it.
+
+- ``GPU_CONFIG``: a 1.2B Llama in bf16 with Mistral's 131k tekken vocabulary (give
+  ``--tokenizer-dir``, made by ``prepare_gpu_assets.py``).
+- ``TINY_CONFIG``: a small fp32 Llama with Mistral's 32k SentencePiece tokenizer (from
+  ``mistral_common``), for CPU runs.
+- ``MICRO_CONFIG``: 256 outputs and one small layer: on a CPU its forward pass costs next to
+  nothing, so a step is host-side work alone, ours and vLLM's, as on a GPU (the diagnostics'
+  ``--micro``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GPU_CONFIG = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "intermediate_size": 8192}
+TINY_CONFIG = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "intermediate_size": 256}
+MICRO_CONFIG = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 256}
+
+# The engine options of the workloads of record (``bench_smc_vllm.py``), by configuration.
+GPU_ENGINE_OPTS = {"gpu_memory_utilization": 0.6, "max_model_len": 2048, "enable_prefix_caching": True}
+CPU_ENGINE_OPTS = {"max_model_len": 512, "dtype": "float32", "enable_prefix_caching": True}
+
+
+def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.dtype) -> Path:
+    """Saves a random-weight Llama with ``arch`` and the tokenizer into ``out`` (reused if there)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:  # Mistral's 32k SentencePiece tokenizer, from mistral_common
+        import shutil
+
+        import mistral_common
+        from transformers import LlamaTokenizer
+
+        shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", out / "tokenizer.model")
+        tokenizer = LlamaTokenizer.from_pretrained(str(out))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.save_pretrained(str(out))
+    config = LlamaConfig(**{"vocab_size": len(tokenizer), **arch}, max_position_embeddings=4096,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, torch_dtype=str(dtype).removeprefix("torch."))
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(str(out))
+    del model
+    return out
+
+
+def workload_model(gpu: bool, model_dir: str | None = None, tokenizer_dir: Path | None = None,
+                   micro: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The model folder (built if missing) and engine options of a configuration: the GPU
+    one, the tiny CPU one, or the micro CPU one."""
+    if gpu:
+        folder = build_model(Path(model_dir or "/tmp/w1_llama_1b"), tokenizer_dir, GPU_CONFIG, torch.bfloat16)
+        return folder, dict(GPU_ENGINE_OPTS)
+    arch, default = (MICRO_CONFIG, "/tmp/w1_micro_llama") if micro else (TINY_CONFIG, "/tmp/w1_tiny_llama")
+    return build_model(Path(model_dir or default), tokenizer_dir, arch, torch.float32), dict(CPU_ENGINE_OPTS)
+
+
+def parse_opts(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` engine options; VALUE parsed as JSON when it can be."""
+    opts = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    return opts
+
+
+def vocab_size(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]

