@@ -15,7 +15,9 @@ constructor, ``AsyncVirtualLM.from_name(model, engine_opts=OPTS)``.
 before ours starts: two engines with CUDA graphs cannot follow each other in one process),
 ``llm.generate(N copies of the prompt, SamplingParams(max_tokens=T,
 ignore_eos=True, temperature=1.0, detokenize=False))``: the same forward passes in vLLM's
-own decode loop with vLLM's own defaults; ``own_engine_floor_s`` is the same loop on our
+own decode loop with vLLM's own defaults, its engine core in that process as ours is in
+this one (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for that child: vLLM's default core process
+adds its messaging to every step); ``own_engine_floor_s`` is the same loop on our
 engine (async scheduling off, the capture processor installed). **Peer** (``--peer DIR``): genlm-backend 0.3.1, the
 library programs were written for, installed in ``DIR`` (``pip install --no-deps --target
 DIR genlm_backend-0.3.1-*.whl``), run on the same workloads in a child process (it sets vLLM
@@ -208,6 +210,8 @@ def in_child(role: str, model_dir: Path, engine_opts: dict, prompt: list[int], a
     setup = json.dumps({"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
                         "argv": sys.argv[1:]})
     env = dict(os.environ)
+    if role == "floor":  # its engine core in that process, as ours is in this one
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if path:
         env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
     child = subprocess.run([sys.executable, __file__, "--serve", setup], capture_output=True, text=True, env=env)

@@ -61,8 +61,10 @@ class TokenSampler:
 
     Args:
         seed: seeds the generator of each device (None: nondeterministic).
-        max_batch_size, timeout: as for :class:`~genlm_backend.batching.Batcher` (the
-            batch runs when the event loop has nothing else to do, or after ``timeout``).
+        max_batch_size: the most draws in one batch, as for
+            :class:`~genlm_backend.batching.Batcher`.
+        timeout: seconds after the first queued draw before its batch runs at the latest
+            (it usually runs sooner: as soon as the event loop has nothing else to do).
         predraw: draw every row of a block at the first draw from one of them (see the
             module docstring). None (default): on accelerators, not on the CPU.
 

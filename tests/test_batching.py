@@ -121,9 +121,9 @@ async def test_call_when_idle_waits_for_the_work_ready_on_the_loop():
 
 
 async def test_call_when_idle_lets_the_batches_of_that_moment_start_first():
-    # A free session's waiter asks for an engine step before the other particles' batch is
-    # queued; the step must come after that batch starts (and after the work its results
-    # make ready), or the batch's requests miss the step.
+    # A waiter that asks for work once the loop is idle, before the other particles' batch
+    # is queued: that work must come after the batch starts (and after the work its results
+    # make ready), or the batch's requests miss it.
     loop = asyncio.get_running_loop()
     order = []
 

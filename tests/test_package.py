@@ -100,3 +100,24 @@ def test_the_no_vllm_tests_pass_with_vllm_hidden():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout  # ran, all of it
+
+
+def test_the_alias_works_in_a_fresh_interpreter_that_imported_nothing_else():
+    """``install_genlm_alias`` used ``importlib.util`` without importing it: it worked only
+    where something else had imported that module first (pytest, site hooks), and failed
+    with AttributeError in a plain interpreter."""
+    import site
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    paths = [repo, *site.getsitepackages()]
+    code = (f"import sys; sys.path[:0] = {paths!r}\n"
+            "import genlm_backend\n"
+            "genlm_backend.install_genlm_alias()\n"
+            "import genlm.backend\n"
+            "print(genlm.backend.load_model_by_name is genlm_backend.load_model_by_name)\n")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"

@@ -229,9 +229,9 @@ class AsyncVirtualLM(SamplingMixin, AsyncLM):
                 ``enable_chunked_prefill``, ``enable_lora``, ``speculative_config``.
                 vLLM refuses custom logits processors with speculative decoding: such an
                 engine is started with ``max_logprobs=-1`` (unless given) and its rows are
-                vLLM's list of every token's log-probability, on the CPU (slower: see the
-                design notes, ``docs/design.md``). On a CPU the KV cache holds ``max_num_seqs`` sequences of
-                ``max_model_len`` tokens, within an eighth of the available memory
+                vLLM's list of every token's log-probability, on the CPU (slower: see
+                ``docs/configuration.md``). On a CPU the KV cache holds ``max_num_seqs``
+                sequences of ``max_model_len`` tokens, within an eighth of the available memory
                 (:mod:`.vllm_startup`), unless ``kv_cache_memory_bytes``,
                 ``gpu_memory_utilization`` or ``VLLM_CPU_KVCACHE_SPACE`` say otherwise.
             **kwargs: constructor arguments (``cache_size``, ``batch_size``, ...).

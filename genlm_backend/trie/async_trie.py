@@ -92,7 +92,8 @@ class AsyncTokenCharacterTrie:
             vocab: the byte vocabulary (see :class:`TokenCharacterTrie`).
             backend: ``"parallel"`` (:class:`ParallelTokenCharacterTrie`, default) or
                 ``"sequential"`` (:class:`TokenCharacterTrie`).
-            max_batch_size, timeout: see the class docstring.
+            max_batch_size: most requests evaluated together.
+            timeout: seconds a request waits at most for its batch to fill.
             **trie_opts: passed to the trie (e.g. ``device="cuda"`` for the parallel one).
 
         Raises:

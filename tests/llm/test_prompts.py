@@ -124,8 +124,8 @@ def test_lockstep_particles_find_their_parents_and_requests_die_young(monkeypatc
 
 
 def test_particles_two_steps_behind_the_others_find_their_parents():
-    """Free-running sessions let particles whose rows are computed run ahead while others
-    wait for a batch: the slow ones' parents must outlive the fast ones' next two steps."""
+    """Particles need not keep in step (a sampler may run some ahead while others wait for
+    a batch): the slow ones' parents must outlive the fast ones' next two steps."""
     import random
 
     checker = PromptChecker(V, max_len=None)

@@ -1,0 +1,243 @@
+"""The Python code blocks of README.md and docs/*.md run as written.
+
+Each fenced ``python`` block runs in a fresh interpreter, from an empty temporary folder,
+with a clean environment: none of the caller's variables but a few that locate the
+machine's files (no ``VLLM_*`` variable: a user sets none), plus ``HF_HUB_OFFLINE=1``
+(nothing is downloaded). An HTML comment on the line before a block says how it is tested,
+several words separated by commas, and a reason in parentheses may follow them:
+
+    <!-- test: skip -->    not run: a fragment, or it needs software the tests do not install
+    <!-- test: vllm -->    needs vLLM: marked ``vllm`` (tests/conftest.py skips it without vllm)
+    <!-- test: output -->  what it prints has the shape of the ``text`` block after it: the
+                           same lines, where numbers and quoted texts may differ (sampled
+                           texts depend on the machine and the backend)
+
+Blocks without a comment must run and exit 0. A block that uses the default model
+loads whichever backend ``load_model_by_name`` picks, so in the lane without vLLM
+(``scripts/run_tests_novllm.sh``) the same blocks run on transformers.
+
+Also checked here: what docs/design.md says of the package's imports (no import circles;
+vLLM imported only by the ``llm/vllm*`` modules, which the rest reaches on first use;
+``import genlm_backend`` imports neither torch nor vllm).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# What a block's interpreter keeps of this process's environment: where things are, nothing
+# that changes how the library or vLLM behave.
+KEPT_VARIABLES = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "XDG_CACHE_HOME",
+                  "GENLM_BACKEND_CACHE", "HF_HOME")
+BLOCK_TIMEOUT_S = 540
+
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+MARK = re.compile(r"<!--\s*test:\s*([\w,\s]+?)\s*(\(.*\))?\s*-->\s*$")  # "(why)" may follow
+# vLLM's own log lines (it logs to stdout), with or without a process prefix.
+LOG_LINE = re.compile(r"^(\(\w[^)]*\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d")
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int
+    code: str
+    marks: frozenset[str]
+    expected: str | None  # the text block after it, for blocks marked "output"
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}"
+
+
+def python_blocks(path: Path) -> list[Block]:
+    """The ``python`` blocks of ``path``, with their marks and the output they show."""
+    text = path.read_text(encoding="utf-8")
+    fences = list(FENCE.finditer(text))
+    blocks = []
+    for i, fence in enumerate(fences):
+        if fence.group(1) != "python":
+            continue
+        before = text[: fence.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        mark = MARK.search(before)
+        if mark is None and "<!-- test" in before:
+            raise ValueError(f"{path}: cannot read the test comment {before!r}")
+        marks = frozenset(m.strip() for m in mark.group(1).split(",")) if mark else frozenset()
+        unknown = marks - {"skip", "vllm", "output"}
+        if unknown:
+            raise ValueError(f"{path}: unknown test marks {sorted(unknown)}")
+        expected = None
+        if "output" in marks:
+            after = next((f for f in fences[i + 1 :] if f.group(1) == "text"), None)
+            if after is None:
+                raise ValueError(f"{path}: a block marked 'output' has no text block after it")
+            expected = after.group(2)
+        line = text.count("\n", 0, fence.start()) + 1
+        blocks.append(Block(path, line, fence.group(2), marks, expected))
+    return blocks
+
+
+BLOCKS = [block for path in DOCUMENTS for block in python_blocks(path)]
+
+
+def clean_environment() -> dict[str, str]:
+    env = {name: os.environ[name] for name in KEPT_VARIABLES if name in os.environ}
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def shape(line: str) -> str:
+    """A printed line with what may differ between machines taken out: a quoted text
+    (a sample) becomes ``<text>``, every number ``N``."""
+    line = line.rstrip()
+    if line[:1] in ("'", '"'):
+        return "<text>"
+    return re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "N", line)
+
+
+def printed_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.strip() and not LOG_LINE.match(line)]
+
+
+def test_there_are_blocks_to_run():
+    names = [block.name for block in BLOCKS]
+    assert any(name.startswith("README.md") for name in names)
+    assert any("output" in block.marks for block in BLOCKS if block.path.name == "README.md")
+    for page in ("quickstart.md", "smc.md", "genlm-control.md", "configuration.md"):
+        assert any(block.path.name == page for block in BLOCKS), page
+
+
+def test_shape_keeps_labels_and_frees_samples():
+    assert shape("' Paris. To find'") == shape("' London'") == "<text>"
+    assert shape("requests per engine batch: 5.5") == "requests per engine batch: N"
+    assert shape("tensor(7042)") == "tensor(N)"
+    logs = "INFO 11-26 14:40:00 [core.py:1] up\n(EngineCore pid=3) WARNING 11-26 14:40:01 x\n"
+    assert printed_lines(logs + "hi\n") == ["hi"]
+
+
+RUN = [pytest.param(b, marks=[pytest.mark.vllm] if "vllm" in b.marks else [], id=b.name)
+       for b in BLOCKS if "skip" not in b.marks]
+
+
+@pytest.mark.parametrize("block", RUN)
+def test_code_block_runs_as_written(block: Block, tmp_path: Path):
+    script = tmp_path / "block.py"
+    script.write_text(block.code, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=clean_environment(),
+        capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False,
+    )
+    assert done.returncode == 0, f"{block.name} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    if block.expected is not None:
+        got = [shape(line) for line in printed_lines(done.stdout)]
+        want = [shape(line) for line in block.expected.splitlines() if line.strip()]
+        assert got == want, f"{block.name} printed:\n{done.stdout}"
+
+
+# ---- the package's imports, as docs/design.md describes them ------------------------------
+
+PACKAGE = REPO / "genlm_backend"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING"
+
+
+def imports_of(path: Path, *, import_time_only: bool) -> set[str]:
+    """The absolute names of the modules ``path`` imports: at import time only (module
+    level, in ``if``/``try`` blocks, not under ``TYPE_CHECKING``), or anywhere."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    nodes: list[ast.AST] = []
+
+    def collect(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                nodes.append(node)
+            elif isinstance(node, ast.If) and not _is_type_checking(node):
+                collect(node.body)
+                collect(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                    collect(block)
+
+    if import_time_only:
+        collect(tree.body)
+    else:
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif node.level:  # relative: "from . import x" names submodules, "from .m import x" a module
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            if node.module:
+                found.add(".".join([*base, node.module]))
+            else:
+                found.update(".".join([*base, alias.name]) for alias in node.names)
+        else:
+            found.add(node.module)
+    return found
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def import_time_graph() -> dict[str, set[str]]:
+    return {name: {m for m in imports_of(path, import_time_only=True) if m in MODULES and m != name}
+            for name, path in MODULES.items()}
+
+
+def test_the_package_has_no_import_circles():
+    graph = import_time_graph()
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, path + [name])
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])
+
+
+def is_vllm_module(name: str) -> bool:
+    return name.startswith("genlm_backend.llm.vllm") or name == "genlm_backend.llm.row_ring"
+
+
+def test_only_the_vllm_modules_import_vllm_and_the_rest_reach_them_on_first_use():
+    for name, path in MODULES.items():
+        imported = imports_of(path, import_time_only=False)
+        if any(m == "vllm" or m.startswith("vllm.") for m in imported):
+            assert name.startswith("genlm_backend.llm.vllm"), f"{name} imports vllm"
+    for name, imported in import_time_graph().items():
+        if not is_vllm_module(name):
+            assert not any(is_vllm_module(m) for m in imported), f"{name} imports {sorted(imported)} at import time"
+
+
+def test_importing_the_package_imports_neither_torch_nor_vllm():
+    code = "import sys, genlm_backend; print('torch' in sys.modules, 'vllm' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], env=clean_environment(), capture_output=True,
+                          text=True, timeout=120, cwd=REPO, check=False)
+    assert done.stdout.split() == ["False", "False"], done.stdout + done.stderr
