@@ -525,7 +525,7 @@ def test_a_failed_constructor_stops_the_threads_it_started():
     def ours() -> set:
         return {t for t in threading.enumerate() if t.name.startswith("genlm-AsyncTransformer")}
 
-    before = ours()
+    before = ours()  # (other tests' models may still be winding their threads down)
     with pytest.raises(ValueError, match="max_bytes"):
         AsyncTransformer(shared_tiny_llama(), tiny_tokenizer(), max_kv_cache_bytes=-1)
-    assert ours() == before
+    assert not ours() - before  # no thread of this constructor is left running
