@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+import threading
 import time
 
-import torch
+# This program's own choice, read by vLLM when it is imported: its INFO lines (dozens while
+# an engine starts) would bury the result. Set VLLM_LOGGING_LEVEL=INFO to see them.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from genlm_backend import load_model_by_name
-from genlm_backend.llm.default_model import default_model_dir
+import torch  # noqa: E402
+
+from genlm_backend import load_model_by_name  # noqa: E402
+from genlm_backend.llm.default_model import default_model_dir  # noqa: E402
+from genlm_backend.llm.loading import is_vllm_usable  # noqa: E402
 
 PROMPT = "Write one sentence about the sea."
 
@@ -72,6 +79,29 @@ async def run_sis(lm, prompt, steps, eos, penalty, num_particles, batched: bool)
     return results, elapsed
 
 
+class ticking:
+    """Prints ``what`` and the seconds elapsed, once a second, while the block runs."""
+
+    def __init__(self, what: str):
+        self.what, self.done = what, threading.Event()
+
+    def __enter__(self) -> None:
+        start = time.perf_counter()
+
+        def tick() -> None:
+            while not self.done.wait(1.0):
+                print(f"\r{self.what}: {time.perf_counter() - start:.0f} s", end="", file=sys.stderr, flush=True)
+
+        print(f"{self.what}...", end="", file=sys.stderr, flush=True)
+        self.thread = threading.Thread(target=tick, daemon=True)
+        self.thread.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.done.set()
+        self.thread.join()
+        print(file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["vllm", "hf", "mock"], default=None)
@@ -80,12 +110,12 @@ def main() -> None:
     parser.add_argument("--penalty", type=float, default=2.0, help="log-weight lost per letter e")
     args = parser.parse_args()
 
-    print("Loading SmolLM2-135M-Instruct (embedded, offline)...", file=sys.stderr)
     model_dir = str(default_model_dir())
     opts = {}
-    if args.backend in (None, "vllm"):
+    if args.backend == "vllm" or (args.backend is None and is_vllm_usable()):
         opts = {"engine_opts": {"max_model_len": 512, "dtype": "float32"}}
-    lm = load_model_by_name(model_dir, backend=args.backend, llm_opts=opts or None)
+    with ticking("Loading SmolLM2-135M-Instruct (embedded, offline; vLLM compiles its kernels the first time)"):
+        lm = load_model_by_name(model_dir, backend=args.backend, llm_opts=opts or None)
     print(f"Backend: {type(lm).__name__}", file=sys.stderr)
     tokenizer = lm.tokenizer
     text = tokenizer.apply_chat_template(
