@@ -29,8 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.models import TINY_CONFIG, build_model  # noqa: E402
 from benchmarks.common import print_table, summarise, write_json  # noqa: E402
+from benchmarks.models import TINY_CONFIG, build_model  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

@@ -49,8 +49,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.models import GPU_CONFIG, TINY_CONFIG, build_model, parse_opts
 from benchmarks.common import print_table, summarise, write_json
+from benchmarks.models import GPU_CONFIG, TINY_CONFIG, build_model, parse_opts
 
 TARGET_RATIO = 0.95
 VARIANTS = ("batch_sample", "sample")

@@ -27,10 +27,9 @@ Families (name: files, vocabulary size, how it is loaded):
 
 from __future__ import annotations
 
-import os
-
 import functools
 import importlib.resources
+import os
 import shutil
 import tempfile
 import types

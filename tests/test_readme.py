@@ -223,7 +223,7 @@ def test_the_package_has_no_import_circles():
 
 
 def is_vllm_module(name: str) -> bool:
-    return name.startswith("genlm_backend.llm.vllm") or name == "genlm_backend.llm.row_ring"
+    return name == "genlm_backend.llm.vllm" or name.startswith("genlm_backend.llm.vllm.")
 
 
 def test_only_the_vllm_modules_import_vllm_and_the_rest_reach_them_on_first_use():

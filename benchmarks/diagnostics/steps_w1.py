@@ -41,7 +41,10 @@ def wrap(owner: object, name: str, label: str | None = None) -> None:
 
 def install() -> None:
     from genlm_backend import _batch_queue, _engine_thread, batching
-    from genlm_backend.llm import prompts, vllm, vllm_capture, vllm_engine, vllm_sessions
+    from genlm_backend.llm import prompts, vllm
+    from genlm_backend.llm.vllm import capture as vllm_capture
+    from genlm_backend.llm.vllm import engine as vllm_engine
+    from genlm_backend.llm.vllm import sessions as vllm_sessions
 
     for owner, names in (
         (_batch_queue.LoopQueue, ("start", "finish")),
@@ -60,10 +63,10 @@ def install() -> None:
 
 
 def install_engine(engine: object) -> None:
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     core = engine.engine_core.engine_core
-    runner = vllm_internals._model_runner(engine)
+    runner = internals.engine._model_runner(engine)
     wrap(engine, "step")
     for owner, names in ((core.scheduler, ("schedule", "update_from_output")), (engine.output_processor, ("process_outputs",)),
                          (runner, ("execute_model", "sample_tokens", "_update_states", "_prepare_inputs",

@@ -61,13 +61,10 @@ def wrap(owner: object, name: str, before: str | None, after: str | None) -> Non
 def install() -> None:
     from genlm_backend import _batch_queue
     from genlm_backend._engine_thread import EngineThread
-    from genlm_backend.llm import (
-        base,
-        vllm,
-        vllm_capture,
-        vllm_engine,
-        vllm_sessions,
-    )
+    from genlm_backend.llm import base, vllm
+    from genlm_backend.llm.vllm import capture as vllm_capture
+    from genlm_backend.llm.vllm import engine as vllm_engine
+    from genlm_backend.llm.vllm import sessions as vllm_sessions
 
     wrap(vllm_capture.LogprobsCaptureProcessor, "apply", "apply", "apply_end")
     wrap(vllm_capture.CaptureSink, "capture", None, "rows_out")
@@ -86,11 +83,11 @@ def install() -> None:
 
 def install_engine(engine: object) -> None:
     """Points inside vLLM's step, where this version has them (ours and the floor alike)."""
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     wrap(engine, "step", "step", "step_end")
     core = getattr(engine.engine_core, "engine_core", None)
-    runner = vllm_internals._model_runner(engine)
+    runner = internals.engine._model_runner(engine)
     for owner, name in ((getattr(core, "scheduler", None), "schedule"), (runner, "execute_model"),
                         (runner, "sample_tokens"), (getattr(runner, "sampler", None), "forward"),
                         (runner, "_bookkeeping_sync"), (getattr(core, "scheduler", None), "update_from_output"),

@@ -1,7 +1,11 @@
 """Language-model backends behind one contract, :class:`AsyncLM`.
 
-Backends whose engines are optional (vLLM) are imported on first use, so importing this
-package never imports vllm.
+Here: the contract (:mod:`.base`, with :mod:`.prompts`, :mod:`.validation` and
+:mod:`.adapters`), :class:`MockAsyncLM`, :func:`load_model_by_name` (:mod:`.loading`) and
+the embedded default model. The backends are packages: :mod:`.vllm` (``AsyncVirtualLM``,
+with :mod:`.vllm.internals`, the seam to vLLM's private parts) and :mod:`.hf`
+(``AsyncTransformer``). They are imported on first use, so importing this package never
+imports vllm.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_fixtures import random_prompt, shared_tiny_llama
 
-from genlm_backend.llm.hf_cache import accepts_logits_to_keep, make_past, read_past
+from genlm_backend.llm.hf.cache import accepts_logits_to_keep, make_past, read_past
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm_backend.llm.hf_kvtrie import KVBlock, KVSource, KVTrie, gather_past
+from genlm_backend.llm.hf.kvtrie import KVBlock, KVSource, KVTrie, gather_past
 
 NUM_LAYERS = 2
 

@@ -1,5 +1,5 @@
 """The row ring that an engine worker process shares with the engine's process
-(:mod:`genlm_backend.llm.row_ring`): where a step's rows go, that the steps a worker may run
+(:mod:`genlm_backend.llm.vllm.row_ring`): where a step's rows go, that the steps a worker may run
 while the engine's process still reads one never write over it, and that rows written in
 another process read back exactly (a CPU ring here; a CUDA one where there is a GPU)."""
 
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from genlm_backend.llm.row_ring import READ_LAG, RowRing, open_ring
+from genlm_backend.llm.vllm.row_ring import READ_LAG, RowRing, open_ring
 
 
 def test_a_step_takes_consecutive_slots_and_restarts_at_zero_when_they_do_not_fit():

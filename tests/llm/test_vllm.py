@@ -270,7 +270,7 @@ async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_en
     callers; later requests, sampling and a direct ``generate`` all work and nothing hangs."""
     from vllm import SamplingParams, TokensPrompt
 
-    from genlm_backend.llm import vllm_capture
+    from genlm_backend.llm.vllm import capture as vllm_capture
 
     original = vllm_capture.LogprobsCaptureProcessor.apply
     calls = []

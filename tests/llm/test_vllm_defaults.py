@@ -154,7 +154,7 @@ def test_the_callers_kv_cache_size_wins(tiny_model_dirs, hf_reference):
 
 
 def test_kv_sizing_follows_the_model_and_the_engine_limits(tiny_model_dirs):
-    from genlm_backend.llm.vllm_startup import cpu_kv_cache_bytes
+    from genlm_backend.llm.vllm.startup import cpu_kv_cache_bytes
 
     base = str(tiny_model_dirs["base"])
     per_token = 2 * 2 * 1 * 64 * 4  # (K, V) x 2 layers x 1 KV head x 64 dims x fp32
@@ -172,7 +172,7 @@ def test_kv_sizing_follows_the_model_and_the_engine_limits(tiny_model_dirs):
 
 
 def test_kv_sizing_refuses_a_sequence_that_cannot_fit_before_any_engine_starts(tiny_model_dirs):
-    from genlm_backend.llm.vllm_startup import cpu_kv_cache_bytes
+    from genlm_backend.llm.vllm.startup import cpu_kv_cache_bytes
 
     with pytest.raises(ValueError, match="max_model_len") as refusal:
         cpu_kv_cache_bytes(str(tiny_model_dirs["base"]), {"max_model_len": 512}, available=2**17)
@@ -180,7 +180,7 @@ def test_kv_sizing_refuses_a_sequence_that_cannot_fit_before_any_engine_starts(t
 
 
 def test_the_callers_kv_settings_are_left_to_vllm(tiny_model_dirs, monkeypatch):
-    from genlm_backend.llm.vllm_startup import cpu_kv_cache_bytes
+    from genlm_backend.llm.vllm.startup import cpu_kv_cache_bytes
 
     base = str(tiny_model_dirs["base"])
     assert cpu_kv_cache_bytes(base, {"kv_cache_memory_bytes": 2**20}) is None
@@ -194,7 +194,7 @@ def test_engine_environment_is_set_for_the_build_and_the_callers_comes_back(monk
     one; during it vLLM reads the engine's (its cache of the variables included)."""
     import vllm.envs
 
-    from genlm_backend.llm.vllm_startup import engine_environment
+    from genlm_backend.llm.vllm.startup import engine_environment
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")

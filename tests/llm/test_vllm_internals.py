@@ -55,7 +55,7 @@ def test_the_processor_follows_removed_added_and_moved_rows():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from genlm_backend.llm.vllm_capture import CaptureSink, LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm.capture import CaptureSink, LogprobsCaptureProcessor
 
     sink = CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
@@ -90,7 +90,7 @@ def test_final_rows_go_to_their_targets_and_forced_tokens_win(rows):
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from genlm_backend.llm.vllm_capture import CaptureSink, LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm.capture import CaptureSink, LogprobsCaptureProcessor
 
     sink = CaptureSink()
     partial = rows[-1]  # this row is a partial prefill this step
@@ -132,7 +132,8 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from genlm_backend.llm import vllm_capture, vllm_internals
+    from genlm_backend.llm.vllm import capture as vllm_capture
+    from genlm_backend.llm.vllm import internals
 
     sink = vllm_capture.CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
@@ -154,28 +155,28 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
         vllm_capture._SINKS[sink.token] = sink
     assert torch.equal(out, logits)
     output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
-    sent = vllm_internals._carrying(output, remote.take())
-    assert sent is not output and not hasattr(output, vllm_internals._ROWS_ATTR)
+    sent = internals.remote._carrying(output, remote.take())
+    assert sent is not output and not hasattr(output, internals.remote._ROWS_ATTR)
     assert remote.take() is None  # handed over once
     received = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
-    vllm_capture.deliver_remote(getattr(received, vllm_internals._ROWS_ATTR))
+    vllm_capture.deliver_remote(getattr(received, internals.remote._ROWS_ATTR))
     expected = torch.log_softmax(logits, -1)
     assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[2])
     with pytest.raises(RuntimeError):
         sink.take(tags[2])
-    shared = vllm_internals._carrying(EMPTY_MODEL_RUNNER_OUTPUT, [])
-    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, vllm_internals._ROWS_ATTR)
+    shared = internals.remote._carrying(EMPTY_MODEL_RUNNER_OUTPUT, [])
+    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, internals.remote._ROWS_ATTR)
 
 
 def test_an_async_output_carries_the_rows_once_it_is_made():
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     made = ModelRunnerOutput(req_ids=[], req_id_to_index={})
     pending = types.SimpleNamespace(get_output=lambda: made)
-    assert vllm_internals._carrying(pending, ["rows"]) is pending
-    assert getattr(pending.get_output(), vllm_internals._ROWS_ATTR) == ["rows"]
+    assert internals.remote._carrying(pending, ["rows"]) is pending
+    assert getattr(pending.get_output(), internals.remote._ROWS_ATTR) == ["rows"]
 
 
 def test_the_worker_calls_remote_capture_relies_on_are_where_it_expects():
@@ -213,7 +214,7 @@ def test_listed_rows_are_taken_from_marked_outputs_before_vllm_lists_them():
     import numpy as np
     from vllm.v1.outputs import LogprobsLists
 
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     seen: list[list[str]] = []
 
@@ -236,7 +237,7 @@ def test_listed_rows_are_taken_from_marked_outputs_before_vllm_lists_them():
 
     engine = types.SimpleNamespace(output_processor=Processor())
     got = []
-    assert vllm_internals.install_listed_rows(engine, "mark", lambda *args: got.append(args))
+    assert internals.install_listed_rows(engine, "mark", lambda *args: got.append(args))
     processor = engine.output_processor
     processor.add_request(request("a-1", {"mark": ["sink", 7]}), None)
     processor.add_request(request("b-2", None), None)
@@ -298,15 +299,15 @@ def test_the_runner_calls_the_cpu_generator_rewind_relies_on_are_where_it_expect
 
 
 def test_prefer_spawned_workers_only_for_worker_processes(monkeypatch):
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    assert vllm_internals.prefer_spawned_workers({"tensor_parallel_size": 1}) is False
+    assert internals.prefer_spawned_workers({"tensor_parallel_size": 1}) is False
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
-    assert vllm_internals.prefer_spawned_workers({"tensor_parallel_size": 2}) is True
+    assert internals.prefer_spawned_workers({"tensor_parallel_size": 2}) is True
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    assert vllm_internals.prefer_spawned_workers({"distributed_executor_backend": "mp"}) is False
+    assert internals.prefer_spawned_workers({"distributed_executor_backend": "mp"}) is False
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
 
 
@@ -341,7 +342,8 @@ def _forcing_step(num_rows, forced_rows, call_sample=True, logprobs=None):
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from genlm_backend.llm.vllm_capture import CaptureSink, ForcedSampling, LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm.capture import CaptureSink, LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm.forcing import ForcedSampling
 
     sink = CaptureSink()
     sink.discarded = lambda n: np.zeros(n, dtype=bool)
@@ -382,7 +384,7 @@ def test_forced_tokens_the_sampler_never_takes_fail_the_step_loudly():
 def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
     # vLLM 0.26's scheduler applies a chunk to a parked session without its max_tokens; the
     # wrapper adds it. A scheduler of that shape, then the engine's own.
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     class Scheduler026:
         def _update_request_as_session(self, session, update):
@@ -391,8 +393,8 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
     scheduler = Scheduler026()
     engine = type("Engine", (), {})()
     engine.engine_core = type("Client", (), {"engine_core": type("Core", (), {"scheduler": scheduler})()})()
-    assert vllm_internals.install_chunk_max_tokens(engine) is True
-    assert vllm_internals.install_chunk_max_tokens(engine) is True  # once
+    assert internals.install_chunk_max_tokens(engine) is True
+    assert internals.install_chunk_max_tokens(engine) is True  # once
     session = types.SimpleNamespace(prompt_token_ids=[1, 2], max_tokens=3)
     scheduler._update_request_as_session(session, types.SimpleNamespace(prompt_token_ids=[4], max_tokens=500))
     assert session.prompt_token_ids == [1, 2, 4] and session.max_tokens == 500
@@ -403,13 +405,13 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
 
 
 def test_prefer_v1_model_runner_sets_the_variable_unless_the_caller_did(monkeypatch):
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    assert vllm_internals.prefer_v1_model_runner() is True
+    assert internals.prefer_v1_model_runner() is True
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    assert vllm_internals.prefer_v1_model_runner() is False
+    assert internals.prefer_v1_model_runner() is False
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
@@ -423,7 +425,7 @@ def test_model_runner_v2_would_refuse_the_capture_processor(vlm):
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as RunnerV2Processor
     from vllm.v1.worker.gpu.sample.logits_processor import loader
 
-    from genlm_backend.llm.vllm_capture import LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm.capture import LogprobsCaptureProcessor
 
     assert not issubclass(LogprobsCaptureProcessor, RunnerV2Processor)
     with pytest.raises(ValueError, match="not a subclass"):
@@ -442,9 +444,9 @@ def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects
     engine = vlm.llm.llm_engine
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     assert vlm._forcing is not None and runner._genlm_forced_sampling is vlm._forcing
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
-    assert vllm_internals.install_forced_sampling(engine, object()) is vlm._forcing  # once per runner
+    assert internals.install_forced_sampling(engine, object()) is vlm._forcing  # once per runner
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -457,7 +459,7 @@ def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects
 def test_forcing_leaves_exactly_the_forced_token_possible(forced, dtype):
     """Against a row-by-row reference: forced rows are -inf but for a 0 at the token, other
     rows are untouched."""
-    from genlm_backend.llm.vllm_capture import force_tokens
+    from genlm_backend.llm.vllm.forcing import force_tokens
 
     logits = torch.randn(4, 10).to(dtype)
     expected = logits.clone()
@@ -471,7 +473,7 @@ def test_forcing_leaves_exactly_the_forced_token_possible(forced, dtype):
 def test_rows_of_a_reduced_precision_step_are_the_float32_log_softmax():
     """bf16 logits (a bf16 model's step): the captured rows are fp32, equal to the log-softmax
     of the logits cast to fp32; for every row of the step and for some."""
-    from genlm_backend.llm.vllm_capture import CaptureSink, _rows_of, _Staging
+    from genlm_backend.llm.vllm.capture import CaptureSink, _rows_of, _Staging
 
     logits = (3 * torch.randn(4, 50)).to(torch.bfloat16)
     staging = _Staging(torch.device("cpu"), False)
@@ -488,7 +490,7 @@ def test_rows_of_a_reduced_precision_step_are_the_float32_log_softmax():
 
 
 def test_a_missing_row_is_an_error_never_a_wrong_row():
-    from genlm_backend.llm.vllm_capture import CaptureSink
+    from genlm_backend.llm.vllm.capture import CaptureSink
 
     sink = CaptureSink()
     tag = sink.new_tag()
@@ -503,7 +505,7 @@ def test_a_request_with_an_output_token_is_no_longer_captured():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from genlm_backend.llm.vllm_capture import CaptureSink, LogprobsCaptureProcessor
+    from genlm_backend.llm.vllm.capture import CaptureSink, LogprobsCaptureProcessor
 
     sink = CaptureSink()
     tag = sink.new_tag()
@@ -526,7 +528,7 @@ def test_engine_shutdown_still_ends_with_the_process_wide_teardown_we_suspend():
 
 @pytest.mark.parametrize("reuse_previous", [False, True], ids=["process_inputs", "from_previous"])
 def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_reference, reuse_previous):
-    """The session route (vllm_internals.add_session_chunk) on the raw engine: a chunk of
+    """The session route (internals.add_session_chunk) on the raw engine: a chunk of
     ``max_tokens=1`` parks the request with its KV, the next chunk is prefilled alone (the
     throwaway token is dropped, the prompt is not doubled) and its row is the row of the
     whole context. Later chunks built from the previous chunk's engine request (the fast
@@ -535,7 +537,7 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_refere
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.request import RequestStatus
 
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     assert "resumable" in inspect.signature(InputProcessor.process_inputs).parameters
     engine = vlm.llm.llm_engine
@@ -546,12 +548,12 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_refere
         context = context + chunk
         tag = sink.new_tag()
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=sink.extra_args(tag))
-        added = vllm_internals.add_session_chunk(engine, request_id, chunk, params, None, previous)
+        added = internals.add_session_chunk(engine, request_id, chunk, params, None, previous)
         assert added.prompt_token_ids == chunk and added.sampling_params.extra_args == params.extra_args
         previous = added if reuse_previous else None
         for _ in range(10):
             outputs = engine.step()
-            if any(o.request_id == request_id and vllm_internals.output_done(o) for o in outputs):
+            if any(o.request_id == request_id and internals.output_done(o) for o in outputs):
                 break
         else:
             raise AssertionError("the chunk never finished")
@@ -560,21 +562,21 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_refere
         assert request.num_computed_tokens == len(context) == len(request.prompt_token_ids)
         row = sink.take(tag)
         assert_matches(row, hf_reference("base", context))
-    vllm_internals.abort_requests(engine, [request_id])
+    internals.abort_requests(engine, [request_id])
     assert request_id not in scheduler.requests and not engine.has_unfinished_requests()
 
 
 def test_held_sessions_rely_on_the_runner_mask_and_park_with_their_kv(vlm, hf_reference):
     """What holding needs from vLLM: the model runner's ``discard_request_mask`` (else rows
     could not leave inside their step and nothing would be held), and the scheduler honouring
-    a ``max_tokens`` lowered during the step (:func:`vllm_internals.park`): a held session
+    a ``max_tokens`` lowered during the step (:func:`internals.park`): a held session
     that other engine work interrupts waits for its next chunk with its context computed."""
     from vllm.v1.request import RequestStatus
 
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     engine = vlm.llm.llm_engine
-    assert vllm_internals.discard_mask_reader(engine) is not None
+    assert internals.discard_mask_reader(engine) is not None
     assert vlm._holds
     scheduler = engine.engine_core.engine_core.scheduler
     context = [5, 17, 300, 42, 9, 11]
@@ -592,16 +594,16 @@ def test_step_hooks_see_each_output_before_the_scheduler_does():
     a scheduler; each hook sees the step output before the scheduler handles it."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     assert list(inspect.signature(Scheduler.update_from_output).parameters)[1:3] == [
         "scheduler_output", "model_runner_output"]
     seen, calls = [], []
     scheduler = types.SimpleNamespace(update_from_output=lambda so, out: calls.append(out) or seen.append("update")
                                       or "done")
-    vllm_internals._before_update(scheduler, lambda so, out: seen.append(("first", out)))
+    internals.remote._before_update(scheduler, lambda so, out: seen.append(("first", out)))
     wrapper = scheduler.update_from_output
-    vllm_internals._before_update(scheduler, lambda so, out: seen.append(("second", out)))
+    internals.remote._before_update(scheduler, lambda so, out: seen.append(("second", out)))
     assert scheduler.update_from_output is wrapper  # one wrapper, however many hooks
     assert scheduler.update_from_output(None, "out") == "done" and calls == ["out"]
     assert seen == [("first", "out"), ("second", "out"), "update"]
@@ -616,8 +618,8 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from genlm_backend.llm import vllm_capture
-    from genlm_backend.llm.row_ring import RowRing
+    from genlm_backend.llm.vllm import capture as vllm_capture
+    from genlm_backend.llm.vllm.row_ring import RowRing
 
     sink = vllm_capture.CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
@@ -648,13 +650,13 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
 
 def test_underlying_model_is_the_torch_module_the_engine_runs(vlm, hf_reference):
     """``underlying_model`` (genlm-backend 0.3.1: the model runner's ``model``) is where
-    ``vllm_internals.model_module`` finds it; vLLM moving it fails here, not in users' hooks."""
-    from genlm_backend.llm import vllm_internals
+    ``internals.model_module`` finds it; vLLM moving it fails here, not in users' hooks."""
+    from genlm_backend.llm.vllm import internals
 
     runner = vlm.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     module = vlm.underlying_model
     assert isinstance(module, torch.nn.Module) and module is runner.get_model()
-    assert vllm_internals.model_module(vlm.llm) is module
+    assert internals.model_module(vlm.llm) is module
     assert type(vlm.llm).__name__ == "LLM"  # the engine keeps its own name
     # The engine runs it: a forward hook on it sees the request's tokens.
     calls = []
@@ -668,13 +670,13 @@ def test_underlying_model_is_the_torch_module_the_engine_runs(vlm, hf_reference)
 
 
 def test_model_module_names_why_the_model_is_not_in_this_process():
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     mp_engine_core = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=object()))
     with pytest.raises(RuntimeError, match="engine core in another process"):
-        vllm_internals.model_module(mp_engine_core)
+        internals.model_module(mp_engine_core)
     workers = types.SimpleNamespace(model_executor=types.SimpleNamespace(workers=[]))
     elsewhere = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=types.SimpleNamespace(
         engine_core=workers)))
     with pytest.raises(RuntimeError, match="workers are other processes"):
-        vllm_internals.model_module(elsewhere)
+        internals.model_module(elsewhere)

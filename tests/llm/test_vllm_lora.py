@@ -9,7 +9,7 @@ adapter differs by far more (measured 24-29 here; 4.1-4.6 in the issue's report)
 
 The engine holds ``max_loras=2`` adapter slots and both adapters are loaded: vLLM's CPU
 LoRA ops (0.32) gave base-model tokens the adapter of the last slot in every step that also
-ran adapter tokens (see ``vllm_internals.install_lora_base_rows``).
+ran adapter tokens (see ``internals.install_lora_base_rows``).
 """
 
 from __future__ import annotations

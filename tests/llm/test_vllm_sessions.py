@@ -194,20 +194,20 @@ async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(vlm, 
 
 
 async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypatch):
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     contexts = prompts_of([5, 6, 7], seed=36)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     park_sessions(vlm)  # extending a parked session adds a chunk, which vLLM may refuse
     doomed = vlm._sessions._by_key[LogprobsRequest(tuple(contexts[1]), None)].request_id
-    original = vllm_internals.add_session_chunk
+    original = internals.add_session_chunk
 
     def refuse(engine, request_id, *args):
         if request_id == doomed:
             raise ValueError("refused")
         return original(engine, request_id, *args)
 
-    monkeypatch.setattr(vllm_internals, "add_session_chunk", refuse)
+    monkeypatch.setattr(internals, "add_session_chunk", refuse)
     nxt = [c + [11] for c in contexts]
     results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True)
     assert isinstance(results[1], InvalidRequestError)
@@ -273,14 +273,14 @@ async def test_a_stalled_engine_frees_its_parked_sessions(vlm, hf_reference):
     # the plain requests of the batch find no slot; the runner must free the parked ones.
     from vllm import SamplingParams
 
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     engine = vlm.llm.llm_engine
 
     def park_foreign():
         params = SamplingParams(max_tokens=1, extra_args=vlm._sink.extra_args(vlm._sink.new_tag()))
-        vllm_internals.add_session_chunk(engine, "foreign-session", [5, 6, 7], params, None)
-        while not any(vllm_internals.output_done(o) for o in engine.step()):
+        internals.add_session_chunk(engine, "foreign-session", [5, 6, 7], params, None)
+        while not any(internals.output_done(o) for o in engine.step()):
             pass
 
     vlm._engine_thread.submit(park_foreign).result()
@@ -290,7 +290,7 @@ async def test_a_stalled_engine_frees_its_parked_sessions(vlm, hf_reference):
         for context, row in zip(final, rows):
             assert_matches(row, hf_reference("base", context))
     finally:
-        vlm._engine_thread.submit(vllm_internals.abort_requests, engine, ["foreign-session"]).result()
+        vlm._engine_thread.submit(internals.abort_requests, engine, ["foreign-session"]).result()
 
 
 async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_reference):

@@ -2,7 +2,7 @@
 ="mp"`` (one worker process) here, and ``tensor_parallel_size=2`` in a process of its own.
 
 The capture processor then runs in a worker: the rows travel back with each step's output
-(``vllm_internals.install_remote_capture``). Every row is compared with a plain transformers
+(``internals.install_remote_capture``). Every row is compared with a plain transformers
 forward pass of its whole context (same tolerance as ``test_vllm.py``), so a row that went to
 the wrong caller, a partial prefill's row, or a session that lost a token fails. If vLLM stops
 carrying the rows, every log-probability call here fails with ``RuntimeError``.
@@ -39,10 +39,10 @@ def worker_lm(tiny_model_dirs):
 
 
 def test_the_model_runner_is_in_another_process(worker_lm):
-    from genlm_backend.llm import vllm_internals
+    from genlm_backend.llm.vllm import internals
 
     engine = worker_lm.llm.llm_engine
-    assert vllm_internals.discard_mask_reader(engine) is None  # no runner here
+    assert internals.discard_mask_reader(engine) is None  # no runner here
     assert worker_lm._remote is not None and not worker_lm._holds
 
 
@@ -184,7 +184,7 @@ def test_tensor_parallel_rows_equal_a_forward_pass(tiny_model_dirs, hf_reference
 
 
 def test_rows_come_through_the_workers_ring(worker_lm):
-    from genlm_backend.llm.row_ring import READ_LAG
+    from genlm_backend.llm.vllm.row_ring import READ_LAG
 
     ring = worker_lm._remote.ring
     assert ring is not None and worker_lm._remote.final_rows

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .hf_cache import make_past, read_past
-from .hf_kvtrie import KVBlock, KVSource, KVTrie, gather_past
+from .cache import make_past, read_past
+from .kvtrie import KVBlock, KVSource, KVTrie, gather_past
 
 __all__ = ["Step", "make_step", "plan_chunks", "run_chunk", "shared_prefixes"]
 

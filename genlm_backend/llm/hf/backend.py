@@ -2,28 +2,28 @@
 
 Requests are auto-batched by the shared batcher of :class:`~genlm_backend.llm.base.AsyncLM`.
 Each batch is evaluated on the model's engine thread: every prompt resumes from the longest
-prefix whose key/value states are cached in a token trie (:mod:`.hf_kvtrie`), the remaining
-tokens of all prompts run in as few padded forward passes as possible (:mod:`.hf_forward`),
+prefix whose key/value states are cached in a token trie (:mod:`genlm_backend.llm.hf.kvtrie`), the remaining
+tokens of all prompts run in as few padded forward passes as possible (:mod:`genlm_backend.llm.hf.forward`),
 and the new states go back into the trie. Memory for those states is bounded (see
 ``max_kv_cache_bytes``), with least-recently-used eviction.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..exceptions import EngineError, InvalidRequestError
-from .base import AsyncLM, LogprobsRequest, stops_what_it_started
-from .hf_cache import accepts_logits_to_keep
-from .hf_forward import Step, make_step, plan_chunks, run_chunk, shared_prefixes
-from .hf_kvtrie import KVTrie
+from ...exceptions import EngineError, InvalidRequestError
+from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
+from .cache import accepts_logits_to_keep
+from .forward import Step, make_step, plan_chunks, run_chunk, shared_prefixes
+from .kvtrie import KVTrie
+from .lora import AdapterMixin
 
 __all__ = ["AsyncTransformer"]
 
@@ -31,7 +31,7 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 DEFAULT_CUDA_KV_FRACTION = 0.25
 
 
-class AsyncTransformer(AsyncLM):
+class AsyncTransformer(AdapterMixin, AsyncLM):
     """A Hugging Face causal LM behind the :class:`AsyncLM` contract, reusing key/value states.
 
     Log-probabilities are the float32 log-softmax of the model's logits over its whole output
@@ -334,67 +334,6 @@ class AsyncTransformer(AsyncLM):
         """Runs ``work`` on the engine thread (so it never overlaps a batch) and waits."""
         self._check_open()
         return self._engine_thread.submit(work).result()
-
-    # ---- adapters -----------------------------------------------------------------------
-
-    def _load_lora(self, lora_name: str, lora_path: str) -> None:
-        try:
-            from peft import PeftModel
-        except ImportError as exc:  # pragma: no cover - peft is a dev dependency
-            raise ImportError("LoRA adapters need peft: pip install 'genlm-backend[lora]'") from exc
-        with self._lock:
-            try:
-                if self._has_adapters:
-                    self.model.load_adapter(lora_path, adapter_name=lora_name)
-                else:
-                    self.model = PeftModel.from_pretrained(
-                        self.model, lora_path, adapter_name=lora_name
-                    )
-            except (OSError, ValueError) as exc:
-                raise InvalidRequestError(
-                    f"cannot load a LoRA adapter from {lora_path!r}: {exc}"
-                ) from exc
-            self.model.eval()
-            self._has_adapters = True
-
-    def _unload_lora(self, lora_name: str) -> None:
-        with self._lock:
-            self._kv.clear_adapter(lora_name)
-            if len(self._lora_paths) <= 1:  # the last one: back to the plain model
-                self.model = self.model.unload()
-                self._has_adapters = False
-            else:
-                with warnings.catch_warnings():  # "adapter X was active ... now deleted"
-                    warnings.simplefilter("ignore", UserWarning)
-                    self.model.delete_adapter(lora_name)
-
-    def _removed_adapter(self, lora_name: str | None) -> InvalidRequestError | None:
-        """The error of a request for adapter ``lora_name`` that the model no longer has
-        (removed after the request was checked), or None. Call under ``_lock``."""
-        if lora_name is None or (self._has_adapters and lora_name in self.model.peft_config):
-            return None
-        return InvalidRequestError(f"LoRA adapter {lora_name!r} was removed before this request ran")
-
-    @contextlib.contextmanager
-    def _adapter(self, lora_name: str | None) -> Iterator[None]:
-        """Runs the body with adapter ``lora_name`` active (None: the base model).
-
-        Raises:
-            InvalidRequestError: the adapter was removed (never the base model instead).
-        """
-        removed = self._removed_adapter(lora_name)
-        if removed is not None:
-            raise removed
-        if not self._has_adapters:
-            yield
-            return
-        if lora_name is None:
-            with self.model.disable_adapter():
-                yield
-            return
-        if self.model.active_adapter != lora_name:
-            self.model.set_adapter(lora_name)
-        yield
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..exceptions import EngineError, InvalidRequestError
-from . import vllm_internals
-from .prompts import LogprobsRequest
-from .vllm_sessions import Session, SessionPool
+from ...exceptions import EngineError, InvalidRequestError
+from ..prompts import LogprobsRequest
+from . import internals
+from .sessions import Session, SessionPool
 
 __all__ = ["Continued", "EngineJob", "EngineRunner", "RowBatch"]
 
@@ -163,12 +163,12 @@ class EngineRunner:
         if self.in_step:
             self._deferred_aborts += request_ids
         elif self.llm is not None:
-            vllm_internals.abort_requests(self.llm.llm_engine, request_ids)
+            internals.abort_requests(self.llm.llm_engine, request_ids)
 
     def _flush_aborts(self, engine: Any) -> None:
         if self._deferred_aborts:
             ids, self._deferred_aborts = self._deferred_aborts, []
-            vllm_internals.abort_requests(engine, ids)
+            internals.abort_requests(engine, ids)
 
     def _run_splitting(self, jobs: list[EngineJob], continued: Any = None) -> None:
         if not jobs and (continued is None or not continued.any_waiting()):
@@ -176,7 +176,7 @@ class EngineRunner:
         try:
             self._run_once(jobs, continued)
         except BaseException as exc:
-            if not vllm_internals.is_cuda_oom(exc):
+            if not internals.is_cuda_oom(exc):
                 raise
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -214,9 +214,9 @@ class EngineRunner:
                 request_id = job.stream_id or f"genlm-{next(self._ids)}"
                 try:
                     if job.stream_id is None:
-                        vllm_internals.add_request(engine, request_id, job.prompt, job.params, job.lora_request)
+                        internals.add_request(engine, request_id, job.prompt, job.params, job.lora_request)
                     else:
-                        job.stream_request = vllm_internals.add_session_chunk(
+                        job.stream_request = internals.add_session_chunk(
                             engine, request_id, job.prompt, job.params, job.lora_request, job.stream_request
                         )
                 except Exception as exc:  # noqa: BLE001 - vLLM refused this request only
@@ -240,7 +240,7 @@ class EngineRunner:
                         self.stats.num_prompt_tokens += len(output.prompt_token_ids or ())
                         self.stats.num_cached_prompt_tokens += output.num_cached_tokens or 0
                     job = running.get(output.request_id)
-                    if job is None or job.is_done or not vllm_internals.output_done(output):
+                    if job is None or job.is_done or not internals.output_done(output):
                         continue
                     del running[output.request_id]
                     try:
@@ -258,13 +258,13 @@ class EngineRunner:
         finally:
             ids = list(running) + (continued.stream_ids() if continued is not None else [])
             if ids:
-                vllm_internals.abort_requests(engine, ids)
+                internals.abort_requests(engine, ids)
 
     def _check_stall(self, engine: Any, jobs: Sequence[EngineJob], outputs: Any, since: float | None) -> float | None:
         """Waiting requests and none running: parked sessions may hold every slot or block (or
         a grammar is still compiling). Frees parked sessions at once; a stall that outlives
         them by ``stall_timeout_s`` is an engine error instead of a hang."""
-        if outputs or not vllm_internals.is_stalled(engine):
+        if outputs or not internals.is_stalled(engine):
             return None
         now = time.perf_counter()
         if since is None:

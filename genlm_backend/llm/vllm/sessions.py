@@ -2,7 +2,7 @@
 by a token costs one decode step of a request that is already running.
 
 A *session* is one vLLM streaming-input request (see
-:func:`~genlm_backend.llm.vllm_internals.add_session_chunk`) that stands for the context whose
+:func:`~genlm_backend.llm.vllm.internals.add_session_chunk`) that stands for the context whose
 row it produced last. It is in one of three states:
 
 * ``running``: a chunk (its first prompt, or tokens appended to a parked session) or a
@@ -15,7 +15,7 @@ row it produced last. It is in one of three states:
   the request. A continuation has no engine job of its own: the session hands its next row
   to the request's slot of the batch (:meth:`SessionPool.deliver`). Sessions the plan does
   not continue are parked;
-* ``parked``: stopped with its KV cache (:func:`~genlm_backend.llm.vllm_internals.park`, or
+* ``parked``: stopped with its KV cache (:func:`~genlm_backend.llm.vllm.internals.park`, or
   a one-token chunk when holding is off); a request that extends it appends a chunk, which
   re-adds the request to the engine's batch once.
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .prompts import LogprobsRequest
+from ..prompts import LogprobsRequest
 
 __all__ = ["PlanEntry", "Session", "SessionPool"]
 

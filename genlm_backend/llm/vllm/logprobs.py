@@ -1,0 +1,131 @@
+"""How :class:`~genlm_backend.llm.vllm.AsyncVirtualLM` runs a log-probability batch on the
+engine thread: match the requests to sessions, make their engine jobs, run them, settle the
+sessions; the holds between steps; and the rows vLLM lists where no capture processor runs
+(speculative decoding)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ..prompts import LogprobsRequest
+from . import internals
+from .capture import CAPTURE_KEY
+from .engine import Continued, EngineJob, RowBatch
+from .sessions import PlanEntry, Session
+
+__all__ = ["LogprobsMixin", "listing_refusal"]
+
+
+class LogprobsMixin:
+    """The log-probability path of ``AsyncVirtualLM`` (its engine, sink, sessions and runner
+    are set up by its constructor)."""
+
+    def _start_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
+        """On the engine thread: matches ``requests`` to sessions, then runs them next.
+
+        Requests that continue held sessions get no job: their rows come from the sessions'
+        next step (see :mod:`.sessions`)."""
+        try:
+            requests = self._with_adapters(requests, batch)
+            plan = self._sessions.plan(requests, batch)
+            jobs = [None if r is None or type(entry) is Session else self._logprob_job(r, entry, batch, i)
+                    for i, (r, entry) in enumerate(zip(requests, plan))]
+            continued = Continued.of(
+                self._sessions, requests, plan, batch, lambda request, i: self._logprob_job(request, None, batch, i)
+            )
+        except BaseException as exc:  # noqa: BLE001 - fails this batch only
+            batch.fail(exc)
+            return
+        self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
+
+    def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
+        """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
+        sink = self._sink
+        lora_request = self._lora_request(request.lora_name)
+        tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
+        params = copy.copy(self._held_params if entry is not None and self._holds else self._plain_params)
+        params.extra_args = sink.extra_args(tag)
+        if entry is None:
+            job = EngineJob(request.token_ids, params, None, lora_request, None, request.token_ids, None, tag,
+                            batch, i)
+        else:
+            session = entry.session
+            job = EngineJob(entry.tokens, params, None, lora_request, session.request_id, request.token_ids,
+                            session.engine_request, tag, batch, i)
+            self._sessions.bind(entry, job, tag)
+        if sink.discarded is not None and (entry is None or not self._holds):
+            sink.expect(tag, job.finish)  # held sessions take their rows themselves
+        return job
+
+    def _run_batch(self, requests: list[LogprobsRequest], plan: list, jobs: list, continued: Any,
+                   batch: RowBatch) -> None:
+        try:
+            self._runner.run([job for job in jobs if job is not None], batch, continued)
+        except BaseException as exc:  # noqa: BLE001 - fails the requests of this batch left
+            batch.fail(exc, wake=False)
+        finally:
+            try:  # sessions settled before the callers hear: one told of a failure finds them closed
+                self._sessions.settle(requests, plan, jobs, batch.results)
+                for job in jobs:
+                    if job is not None and not isinstance(job.result, torch.Tensor):
+                        self._sink.discard(job.tag)
+            finally:
+                batch.wake()
+
+    def _on_retry(self, jobs: list[EngineJob]) -> None:
+        """Before jobs run again as plain requests (after an out-of-memory error): their
+        sessions are gone; their rows go to the jobs themselves."""
+        for job in jobs:
+            session = None if job.stream_id is None else self._sessions.get(job.stream_id)
+            if session is not None:
+                self._sessions.close(session)
+            if job.tag is not None and self._sink.discarded is not None:
+                self._sink.expect(job.tag, job.finish)
+
+    def _on_step(self, tags: list[int]) -> dict[int, int]:
+        """Inside an engine step, after its rows went out: holds the step for the next batch's
+        plan while the held sessions wait for it; returns the tokens to force."""
+        if not self._sessions.holds:
+            return {}
+        if self._runner.can_hold():  # the batch's rows go to the loop now
+            self._sessions.decided = False
+            self._engine_thread.hold(lambda: self._sessions.decided, self.session_hold_s)
+        return self._sessions.release()
+
+    def _park(self, session: Any) -> None:
+        request, llm = session.engine_request, self.llm
+        if llm is None:
+            return
+        if request is None or not internals.park(llm.llm_engine, request.request_id):
+            self._sessions.close(session)
+
+    def _install_listing(self, engine: Any) -> str | None:
+        """Takes the listed rows from this engine's step outputs; returns why it cannot, or None."""
+        refusal = listing_refusal(self._model_config.max_logprobs, self._vocab_size)
+        if refusal is not None:
+            return refusal
+        if not internals.install_listed_rows(engine, CAPTURE_KEY, self._receive_listed):
+            return (f"this vLLM's output processor differs from the checked versions {internals.CHECKED_VERSIONS}: "
+                    "full-vocabulary log-probabilities need the capture logits processor here")
+        return None
+
+    def _receive_listed(self, mark: Any, token_ids: Any, logprobs: Any) -> None:
+        """A row vLLM listed (token ids and their log-probabilities) for one of our requests."""
+        token, tag = mark
+        if token == self._sink.token:
+            row = torch.full((self._vocab_size,), float("-inf"), dtype=torch.float32)
+            row[torch.from_numpy(token_ids).long()] = torch.from_numpy(logprobs).float()
+            self._sink.receive(tag, row)
+
+
+def listing_refusal(max_logprobs: int, vocab_size: int) -> str | None:
+    """Why an engine that allows ``max_logprobs`` cannot list all ``vocab_size`` tokens'
+    log-probabilities, or None if it can (-1: the whole vocabulary)."""
+    if max_logprobs == -1 or max_logprobs >= vocab_size:
+        return None
+    return (f"full-vocabulary log-probabilities without the capture logits processor (speculative "
+            f"decoding) need vLLM to list all {vocab_size} tokens, but this engine allows "
+            f"max_logprobs={max_logprobs}: start it with max_logprobs=-1 (from_name does)")
