@@ -121,3 +121,29 @@ def test_the_alias_works_in_a_fresh_interpreter_that_imported_nothing_else():
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+def test_every_public_name_and_member_has_a_docstring():
+    """The API reference is generated from docstrings: a public name, or a public method or
+    property of an exported class (its own or inherited from this package), without one
+    would leave a hole in it."""
+    import inspect
+
+    import genlm_backend
+    from genlm_backend import cache, exceptions, sampling
+
+    objects = {name: getattr(genlm_backend, name) for name in genlm_backend.__all__}
+    objects.update(OutputCache=cache.OutputCache, TokenSampler=sampling.TokenSampler)
+    objects.update((name, getattr(exceptions, name)) for name in exceptions.__all__)
+    missing = [name for name, obj in objects.items() if not inspect.getdoc(obj)]
+    for name, cls in objects.items():
+        if not inspect.isclass(cls) or issubclass(cls, BaseException):
+            continue
+        for attr in dir(cls):
+            owner = next((k for k in cls.__mro__ if attr in vars(k)), None)
+            if attr.startswith("_") or owner is None or not owner.__module__.startswith("genlm_backend"):
+                continue
+            member = getattr(cls, attr)
+            if (callable(member) or isinstance(member, property)) and not inspect.getdoc(member):
+                missing.append(f"{name}.{attr}")
+    assert not missing, f"public names without a docstring: {missing}"
