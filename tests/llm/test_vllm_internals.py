@@ -133,7 +133,7 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     from genlm_backend.llm.vllm import capture as vllm_capture
-    from genlm_backend.llm.vllm import internals
+    from genlm_backend.llm.vllm import internals, remote_rows
 
     sink = vllm_capture.CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
@@ -144,7 +144,7 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
              (2, SamplingParams(extra_args=sink.extra_args(tags[1])), [1], []),
              (3, SamplingParams(extra_args=sink.extra_args(tags[2])), [1], [] if mask else [9])]
     proc.update_state(BatchUpdate(4, removed=[], added=added, moved=[]))
-    remote = vllm_capture.RemoteRows((lambda n: np.array([i == 3 for i in range(n)])) if mask else None)
+    remote = remote_rows.RemoteRows((lambda n: np.array([i == 3 for i in range(n)])) if mask else None)
     logits = torch.randn(4, 10)
     vllm_capture._SINKS.pop(sink.token)  # as in a worker: the sink lives in another process
     vllm_capture.set_remote(remote)
@@ -159,7 +159,7 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
     assert sent is not output and not hasattr(output, internals.remote._ROWS_ATTR)
     assert remote.take() is None  # handed over once
     received = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
-    vllm_capture.deliver_remote(getattr(received, internals.remote._ROWS_ATTR))
+    remote_rows.deliver_remote(getattr(received, internals.remote._ROWS_ATTR))
     expected = torch.log_softmax(logits, -1)
     assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[2])
     with pytest.raises(RuntimeError):
@@ -193,6 +193,34 @@ def test_the_worker_calls_remote_capture_relies_on_are_where_it_expects():
     assert "self.output_rank" in inspect.getsource(MultiprocExecutor)
     assert "self.scheduler.update_from_output(" in inspect.getsource(EngineCore.step)
     assert dataclasses.is_dataclass(ModelRunnerOutput) and not hasattr(ModelRunnerOutput, "__slots__")
+
+
+def test_the_step_calls_that_hold_sessions_over_workers_are_where_they_are_expected():
+    """Holds over worker processes (``internals.remote``) rest on: the engine core's ``step``
+    (used where ``batch_queue`` is None) asks the executor for ``execute_model(...,
+    non_block=True)``, reads its result and calls ``sample_tokens(grammar_output)`` only when
+    it is None; the worker's ``execute_model`` lets None through, leaving the logits in the
+    runner's ``execute_model_state.logits`` with the logits processors' state (the batch
+    updates) already applied; ``sample_tokens`` takes them; the processors are
+    ``input_batch.logitsprocs.all``."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.worker.gpu_model_runner import ExecuteModelState, GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    step = inspect.getsource(EngineCore.step)
+    assert "self.model_executor.execute_model(scheduler_output, non_block=True)" in step
+    assert "if model_output is None:" in step and "self.model_executor.sample_tokens(grammar_output)" in step
+    assert "self.step if self.batch_queue is None else" in inspect.getsource(EngineCore.__init__)
+    assert "logits" in ExecuteModelState._fields
+    runner_execute = inspect.getsource(GPUModelRunner.execute_model)
+    assert "self.execute_model_state = ExecuteModelState(" in runner_execute
+    assert runner_execute.index("_update_states(") < runner_execute.index("self.execute_model_state = ExecuteModelState(")
+    assert "self.execute_model_state" in inspect.getsource(GPUModelRunner.sample_tokens)
+    assert "NoneType" in inspect.getsource(Worker.execute_model)
+    assert callable(MultiprocExecutor.execute_model) and callable(MultiprocExecutor.sample_tokens)
+    assert isinstance(LogitsProcessors.all, property)
 
 
 def test_the_row_ring_is_sized_by_the_batches_vllm_runs_at_once():
@@ -619,6 +647,7 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     from genlm_backend.llm.vllm import capture as vllm_capture
+    from genlm_backend.llm.vllm import remote_rows
     from genlm_backend.llm.vllm.row_ring import RowRing
 
     sink = vllm_capture.CaptureSink()
@@ -627,7 +656,7 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
     added = [(i, SamplingParams(extra_args=sink.extra_args(tag)), [1], []) for i, tag in enumerate(tags)]
     proc.update_state(BatchUpdate(3, removed=[], added=added, moved=[]))
     ring = RowRing(torch.zeros(8, 10), max_rows=2)
-    remote = vllm_capture.RemoteRows(lambda n: np.zeros(n, dtype=bool), ring)
+    remote = remote_rows.RemoteRows(lambda n: np.zeros(n, dtype=bool), ring)
     vllm_capture._SINKS.pop(sink.token)
     vllm_capture.set_remote(remote)
     try:
@@ -643,7 +672,7 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
     assert isinstance(as_array[0][2], np.ndarray)
     assert in_ring == [(sink.token, tags[:2], (0, 2))]
     expected = torch.log_softmax(logits, -1)
-    vllm_capture.deliver_remote(pickle.loads(pickle.dumps(in_ring)), ring)
+    remote_rows.deliver_remote(pickle.loads(pickle.dumps(in_ring)), ring)
     ring.rows.zero_()  # what the sinks got are copies
     assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[1])
 

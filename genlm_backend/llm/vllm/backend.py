@@ -34,7 +34,7 @@ from .lora import LoRAMixin
 try:
     import vllm
 
-    from . import capture, internals, startup
+    from . import capture, internals, remote_rows, startup
     from .engine import EngineJob, EngineRunner, RowBatch
     from .forcing import ForcedSampling
     from .logprobs import LogprobsMixin
@@ -93,8 +93,9 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
             (:meth:`from_name` does this), its engine core in this process (from_name
             builds it so; a ``vllm.LLM`` of your own needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
             while it is built). Its workers may be other processes
-            (``tensor_parallel_size > 1``): rows then come back with each step's output, on
-            the CPU, and sessions are parked between batches instead of held.
+            (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``): rows then
+            come through memory both processes map, on the worker's device, and sessions
+            are held as in one process (parked instead under async scheduling).
             With speculative decoding vLLM takes no logits processor: pass
             ``can_capture=False`` and start the engine with ``max_logprobs=-1``; rows are
             then vLLM's own list of every token's log-probability, on the CPU, without
@@ -173,11 +174,12 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         # which rows are final; sessions are then held between steps (async scheduling off).
         self._sink.discarded = internals.discard_mask_reader(engine)
         # Workers in other processes (tensor parallelism, the "mp" executor) write their rows
-        # into a ring this process maps; each step's output says where (no holds there).
-        self._remote = internals.install_remote_capture(llm, capture.deliver_remote) if can_capture else None
+        # into a ring this process maps, and the step waits here for the tokens to force.
+        self._remote = internals.install_remote_capture(llm, remote_rows.deliver_remote) if can_capture else None
+        self._sink.remote_final = self._remote is not None and self._remote.final_rows
         self._holds = (
             can_capture
-            and self._sink.discarded is not None
+            and (self._sink.discarded is not None or (self._sink.remote_final and self._remote.early))
             and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
         )
         # A step whose every row is a held session continued by the next batch takes the

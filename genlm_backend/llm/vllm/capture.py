@@ -48,8 +48,7 @@ from .forcing import current_forcing, force_tokens
 from .internals import CHECKED_VERSIONS
 
 __all__ = [
-    "CAPTURE_KEY", "CaptureSink", "LogprobsCaptureProcessor", "RemoteRows", "deliver_remote", "follow_batch",
-    "set_remote",
+    "CAPTURE_KEY", "CaptureSink", "LogprobsCaptureProcessor", "follow_batch", "set_decisions", "set_remote",
 ]
 
 CAPTURE_KEY = "genlm_backend_capture"
@@ -57,7 +56,10 @@ CAPTURE_KEY = "genlm_backend_capture"
 _SINKS: weakref.WeakValueDictionary[str, CaptureSink] = weakref.WeakValueDictionary()
 # In an engine worker process whose output the engine reads: where the rows of sinks that
 # live in the engine's process go (see RemoteRows; None elsewhere).
-_REMOTE: RemoteRows | None = None
+_REMOTE: Any = None  # a remote_rows.RemoteRows
+# In an engine worker process: the tokens to force in the step being sampled (see set_decisions).
+_DECISIONS: dict[str, dict[int, int]] | None = None
+_NONE: dict[int, int] = {}
 
 
 class CaptureSink:
@@ -81,8 +83,15 @@ class CaptureSink:
         self._followers: dict[int, Callable[[torch.Tensor], None]] = {}
         self._lock = threading.Lock()
         self.discarded: Callable[[int], Any] | None = None  # see discard_mask_reader
+        self.remote_final = False  # rows come from a worker process that tells partial prefills
         self.on_step: Callable[[list[int]], dict[int, int]] | None = None
         _SINKS[self.token] = self
+
+    @property
+    def final_in_step(self) -> bool:
+        """Rows reach their targets inside the step that computes them, known to be final
+        (else a tag's row is stored, and the last one written wins)."""
+        return self.discarded is not None or self.remote_final
 
     def new_tag(self) -> int:
         tag = next(self._tags)
@@ -238,18 +247,21 @@ class LogprobsCaptureProcessor(LogitsProcessor):
         rows = self.rows
         if not rows:
             return logits
-        if self._sinks is None:
-            self._sinks = {sink for sink, _, _ in rows.values()}
+        sinks = self._sink_tokens()
         forced: list[tuple[int, int]] = []
-        for token in self._sinks:
+        for token in sinks:
             sink = _SINKS.get(token)
             if sink is not None:
-                forced += sink.capture(logits, rows, len(self._sinks) > 1, self._staging)
-            elif _REMOTE is not None:  # a worker process: the sink lives in the engine's
+                forced += sink.capture(logits, rows, len(sinks) > 1, self._staging)
+            elif _REMOTE is not None and not _REMOTE.early:  # a worker: the sink lives in the engine's process
                 _REMOTE.capture(logits, rows, token, self._staging)
+        if _DECISIONS is not None:  # a worker: the tokens the engine's process decided for this step
+            forced += [(i, t) for i, (sink, tag, _) in rows.items()
+                       if (t := _DECISIONS.get(sink, _NONE).get(tag)) is not None]
+            forced.sort()
+        elif len(sinks) > 1 and forced:
+            forced.sort()
         if forced:
-            if len(self._sinks) > 1:
-                forced.sort()
             forcing = current_forcing()
             if forcing is not None:  # the sampler's own call forces them (or skips sampling)
                 forcing.pending = forced
@@ -257,72 +269,31 @@ class LogprobsCaptureProcessor(LogitsProcessor):
                 force_tokens(logits, forced)
         return logits
 
+    def gather_remote(self, logits: torch.Tensor, remote: Any) -> None:
+        """In a worker, before the step samples: gives ``remote`` the rows of the sinks
+        that live in the engine's process."""
+        if self.rows:
+            for token in self._sink_tokens():
+                if token not in _SINKS:
+                    remote.capture(logits, self.rows, token, self._staging)
 
-class RemoteRows:
-    """The rows of one engine step for sinks in another process, gathered in a worker.
-
-    Installed in the worker whose step output the engine reads
-    (:func:`~genlm_backend.llm.vllm.internals.install_remote_capture`): the capture processor gives it the
-    final rows of every tag whose sink is not in this process. Their log-softmax goes into
-    the :class:`~genlm_backend.llm.vllm.row_ring.RowRing` shared with the engine's process, and the step's output
-    carries only where they are; without a ring (or for a step with more rows than it
-    holds) the rows leave the device as one ``[k, V]`` array per sink. :meth:`take` hands
-    the step's parts over to be sent with its output.
-    """
-
-    def __init__(self, discarded: Callable[[int], Any] | None, ring: Any = None):
-        self.discarded = discarded  # as CaptureSink.discarded, read in this process
-        self.ring = ring
-        self.parts: list[tuple[str, list[int], Any]] = []
-
-    def capture(self, logits: torch.Tensor, rows: dict[int, tuple[str, int, list[int]]], token: str,
-                staging: _Staging) -> None:
-        final = _final_rows(rows, self.discarded, logits.shape[0], token)
-        if not final:
-            return
-        ring = self.ring
-        start = None if ring is None or ring.rows.shape[1] != logits.shape[1] else ring.claim(len(final))
-        with torch.inference_mode(False), torch.no_grad():
-            picked = _rows_of(logits, [i for i, _ in final], staging)
-            if start is not None:
-                torch.log_softmax(picked, dim=-1, dtype=torch.float32, out=ring.slots(start, len(final)))
-                self.parts.append((token, [tag for _, tag in final], (start, len(final))))
-                return
-            captured = torch.log_softmax(picked, dim=-1, dtype=torch.float32).cpu()
-        # A NumPy array pickles its memory out of band (protocol 5), which the engine's
-        # message queue sends as is; a tensor would be pickled by ``torch.save`` into the
-        # message (vLLM 0.26: several copies, ~0.1 s a step for 64 rows of 131k).
-        self.parts.append((token, [tag for _, tag in final], captured.numpy()))
-
-    def take(self) -> list[tuple[str, list[int], Any]] | None:
-        """This step's rows as ``(sink token, tags, where)`` parts, or None; ``where`` is
-        ``(first slot, count)`` in the ring or the rows ``[len(tags), V]`` as a NumPy array."""
-        parts, self.parts = self.parts, []
-        return parts or None
+    def _sink_tokens(self) -> set[str]:
+        if self._sinks is None:
+            self._sinks = {sink for sink, _, _ in self.rows.values()}
+        return self._sinks
 
 
-def set_remote(remote: RemoteRows | None) -> None:
+def set_remote(remote: Any) -> None:
     """Makes this process's capture processors gather other processes' rows in ``remote``."""
     global _REMOTE
     _REMOTE = remote
 
 
-def deliver_remote(parts: list[tuple[str, list[int], Any]], ring: Any = None) -> None:
-    """Hands rows that a worker process gathered (:meth:`RemoteRows.take`) to their sinks:
-    copied out of ``ring`` (this process's map of the worker's), or out of the arrays (the
-    message queue may hand them over as views of its reusable shared-memory slots)."""
-    for token, tags, where in parts:
-        sink = _SINKS.get(token)
-        if sink is None:
-            continue
-        rows = ring.read(*where) if type(where) is tuple else torch.tensor(where)
-        follower = sink._followers.get  # (a followed tag's row goes straight to its target)
-        for tag, row in zip(tags, rows.unbind(0)):
-            target = follower(tag)
-            if target is not None:
-                target(row)
-            else:
-                sink.receive(tag, row)
+def set_decisions(decisions: dict[str, dict[int, int]] | None) -> None:
+    """In a worker: the tokens to force in the step being sampled (``{sink token: {tag:
+    token}}``, decided in the engine's process), or None."""
+    global _DECISIONS
+    _DECISIONS = decisions
 
 
 class _Staging:

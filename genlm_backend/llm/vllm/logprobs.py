@@ -45,7 +45,7 @@ class LogprobsMixin:
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
         sink = self._sink
         lora_request = self._lora_request(request.lora_name)
-        tag = sink.next_tag() if sink.discarded is not None else sink.new_tag()
+        tag = sink.next_tag() if sink.final_in_step else sink.new_tag()
         params = copy.copy(self._held_params if entry is not None and self._holds else self._plain_params)
         params.extra_args = sink.extra_args(tag)
         if entry is None:
@@ -56,7 +56,7 @@ class LogprobsMixin:
             job = EngineJob(entry.tokens, params, None, lora_request, session.request_id, request.token_ids,
                             session.engine_request, tag, batch, i)
             self._sessions.bind(entry, job, tag)
-        if sink.discarded is not None and (entry is None or not self._holds):
+        if sink.final_in_step and (entry is None or not self._holds):
             sink.expect(tag, job.finish)  # held sessions take their rows themselves
         return job
 
@@ -82,7 +82,7 @@ class LogprobsMixin:
             session = None if job.stream_id is None else self._sessions.get(job.stream_id)
             if session is not None:
                 self._sessions.close(session)
-            if job.tag is not None and self._sink.discarded is not None:
+            if job.tag is not None and self._sink.final_in_step:
                 self._sink.expect(job.tag, job.finish)
 
     def _on_step(self, tags: list[int]) -> dict[int, int]:

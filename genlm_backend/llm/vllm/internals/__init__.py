@@ -38,16 +38,21 @@ What is relied on:
 * Rows from engine workers in other processes (:func:`install_remote_capture`:
   ``tensor_parallel_size > 1`` or ``distributed_executor_backend="mp"``, with the engine core
   in this process): ``LLM.collective_rpc`` runs a function on every worker with the worker
-  as its first argument (``worker.rank``, ``worker.model_runner``); the executor reads the
-  step output of ``executor.output_rank`` only; the worker's ``model_runner.sample_tokens``
-  returns that output (a ``ModelRunnerOutput``, or an async one whose ``get_output`` does),
-  which travels to this process pickled, extra attributes included; the engine core hands
-  it to ``scheduler.update_from_output`` before any of the step's results go out. The rows
-  themselves wait in a :class:`~genlm_backend.llm.vllm.row_ring.RowRing` both processes map; its size rests on
-  ``VllmConfig.max_concurrent_batches`` and on the engine core's batch queue handing a
-  step's output to the scheduler before it schedules the step after the next. The rows
-  are handed over by a wrapper of the scheduler's ``update_from_output``
-  (:func:`_before_update`).
+  as its first argument (``worker.rank``, ``worker.model_runner``), and the worker process
+  calls the methods the executor names on that object (so instance attributes replace
+  them); the executor reads the replies of ``executor.output_rank`` only. A step is two
+  calls: ``execute_model`` (the runner's batch updates reach the logits processors, the
+  forward pass leaves the logits in ``execute_model_state.logits`` and the worker replies
+  None) and ``sample_tokens(grammar_output)``; the engine core's ``step`` (used where
+  ``batch_queue`` is None) reads the first reply and makes the second call only when it is
+  None. The processors are ``input_batch.logitsprocs.all``. With a batch queue the first
+  reply is not read: rows then ride on ``sample_tokens``'s output (a ``ModelRunnerOutput``,
+  or an async one whose ``get_output`` does), which travels pickled, extra attributes
+  included, to ``scheduler.update_from_output`` (wrapped by :func:`_before_update`). The
+  rows themselves wait in a :class:`~genlm_backend.llm.vllm.row_ring.RowRing` both
+  processes map; its size rests on ``VllmConfig.max_concurrent_batches`` and on the engine
+  core's batch queue handing a step's output to the scheduler before it schedules the step
+  after the next.
 * Seeded sampling on a CPU engine (:func:`install_cpu_generator_rewind`): after a step, the
   runner's ``_bookkeeping_sync`` rewinds the generator of every partial-prefill row by a
   Philox offset (``input_batch.generators.get(i)``, then ``set_offset``), which CPU

@@ -1,7 +1,19 @@
 """Rows from engine workers in other processes: the worker gathers them into a
-:class:`~genlm_backend.llm.vllm.row_ring.RowRing`, its step output says where they are, and
-they are handed over before the scheduler handles that output
-(see :mod:`genlm_backend.llm.vllm.internals`)."""
+:class:`~genlm_backend.llm.vllm.row_ring.RowRing`, its reply says where they are, and they
+reach this process's sinks inside the step that computed them, so sessions are held between
+steps as in an in-process engine (see :mod:`genlm_backend.llm.vllm.internals`).
+
+A step of vLLM's engine core is two calls to the workers: ``execute_model`` (the forward
+pass; the logits wait in the runner's ``execute_model_state``) and ``sample_tokens``. Where
+the engine core runs one step at a time (``max_concurrent_batches == 1``), the worker whose
+reply the engine reads gathers the step's final rows at the end of ``execute_model`` and
+replies with :class:`EarlyRows` in place of None; this process hands the rows over and asks
+for the tokens to force (``on_rows``) before it calls ``sample_tokens``, which carries them
+to every worker (:class:`Forced`): each rank forces the same tokens, as the ranks of a
+tensor-parallel group must sample alike. With a batch queue (async scheduling, pipeline
+parallelism) the engine core does not read ``execute_model``'s reply, so rows go with the
+step's sampled output instead and are handed over before the scheduler handles it (no holds).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .engine import _model_runner, _scheduler
-from .sessions import _install_generator_rewind, _mask_reader
+from .sessions import _install_forced, _install_generator_rewind, _mask_reader
 
-__all__ = ["RING_BYTES", "RemoteCapture", "install_remote_capture"]
+__all__ = ["RING_BYTES", "EarlyRows", "Forced", "RemoteCapture", "install_remote_capture"]
 
 # The attribute of a worker's step output that carries the captured rows to this process.
 _ROWS_ATTR = "genlm_capture_rows"
@@ -26,26 +38,45 @@ class RemoteCapture:
     """How captured rows come from an engine whose model runner is another process."""
 
     ring: Any  # this process's map of the worker's RowRing, or None (rows come as arrays)
-    final_rows: bool  # the worker tells partial prefills (so rows reach sinks inside their step)
+    final_rows: bool  # the worker tells partial prefills (rows are final when they arrive)
+    early: bool  # rows arrive before the step samples (forced tokens can be sent back)
 
 
-def install_remote_capture(llm: Any, deliver: Callable[[Any, Any], None]) -> RemoteCapture | None:
+@dataclasses.dataclass(slots=True)
+class EarlyRows:
+    """A worker's reply to ``execute_model``: the step's rows, gathered before sampling."""
+
+    parts: list
+
+
+@dataclasses.dataclass(slots=True)
+class Forced:
+    """``sample_tokens``'s argument with the tokens every rank forces this step
+    (``{sink token: {tag: token id}}``)."""
+
+    grammar_output: Any
+    decisions: dict
+
+
+def install_remote_capture(llm: Any, on_rows: Callable[[Any, Any], dict | None]) -> RemoteCapture | None:
     """Brings the captured rows of an engine whose workers run in other processes.
 
     The worker whose output the engine reads (``executor.output_rank``; the others capture
-    nothing) gathers the rows of this process's sinks (:class:`~genlm_backend.llm.vllm.capture.RemoteRows`)
-    into a :class:`~genlm_backend.llm.vllm.row_ring.RowRing` both processes map, and its step output says where
-    they are; this process's scheduler gets ``deliver(parts, ring)`` before it handles that
-    output. Returns None where the model
-    runner is in this process (nothing to do) or where this cannot be arranged (the engine
-    core in another process, a worker without these calls): log-probability calls then
-    fail with a clear error.
+    nothing) gathers the rows of this process's sinks
+    (:class:`~genlm_backend.llm.vllm.remote_rows.RemoteRows`) into a
+    :class:`~genlm_backend.llm.vllm.row_ring.RowRing` both processes map, and says where
+    they are; ``on_rows(parts, ring)`` hands them over on the engine thread and returns the
+    tokens to force after them (``{sink token: {tag: token}}``, or None). Returns None where
+    the model runner is in this process (nothing to do) or where this cannot be arranged
+    (the engine core in another process, a worker without these calls): log-probability
+    calls then fail with a clear error.
     """
     from ..row_ring import READ_LAG, open_ring
 
     engine = llm.llm_engine
     scheduler = _scheduler(engine)
-    executor = getattr(getattr(engine.engine_core, "engine_core", None), "model_executor", None)
+    core = getattr(engine.engine_core, "engine_core", None)
+    executor = getattr(core, "model_executor", None)
     if _model_runner(engine) is not None or scheduler is None or executor is None:
         return None
     if getattr(scheduler, "_genlm_remote_capture", None) is not None:
@@ -54,22 +85,77 @@ def install_remote_capture(llm: Any, deliver: Callable[[Any, Any], None]) -> Rem
     width = int(engine.model_config.get_vocab_size())
     depth = max(int(getattr(config, "max_concurrent_batches", 2)) - 1, 1)
     max_rows = min(int(config.scheduler_config.max_num_seqs), RING_BYTES // ((depth + READ_LAG + 2) * width * 4))
+    early = _one_step_at_a_time(core) and all(callable(getattr(executor, n, None))
+                                              for n in ("execute_model", "sample_tokens"))
     installed = llm.collective_rpc(_install_in_worker,
-                                   args=(getattr(executor, "output_rank", 0), max_rows, depth, width))
+                                   args=(getattr(executor, "output_rank", 0), max_rows, depth, width, early))
     found = next((i for i in installed if isinstance(i, dict)), None)
     if found is None:
         return None
     handle = found["ring"]
-    remote = RemoteCapture(None if handle is None else open_ring(handle), found["final_rows"])
-    _before_update(scheduler, lambda _scheduled, output: _deliver_rows(output, deliver, remote.ring))
+    early = early and found["early"]
+    remote = RemoteCapture(None if handle is None else open_ring(handle), found["final_rows"], early)
+    if early:
+        _hand_over_before_sampling(executor, lambda parts: on_rows(parts, remote.ring))
+    else:
+        _before_update(scheduler, lambda _scheduled, output: _deliver_rows(output, on_rows, remote.ring))
     scheduler._genlm_remote_capture = remote
     return remote
 
 
-def _deliver_rows(output: Any, deliver: Callable[[Any, Any], None], ring: Any) -> None:
+def _one_step_at_a_time(core: Any) -> bool:
+    """The engine core runs ``step`` (one step at a time), not ``step_with_batch_queue``,
+    which never reads ``execute_model``'s reply when sampling succeeds."""
+    return getattr(core, "batch_queue", True) is None
+
+
+def _hand_over_before_sampling(executor: Any, on_rows: Callable[[list], dict | None]) -> None:
+    """Wraps the executor's two calls of a step: a reply of :class:`EarlyRows` to
+    ``execute_model`` goes to ``on_rows`` (on the engine thread, which may hold the step
+    there) and the engine core sees None; the tokens ``on_rows`` returns go to every worker
+    with the step's ``sample_tokens``."""
+    execute_model, sample_tokens = executor.execute_model, executor.sample_tokens
+    decided: list = [None]
+
+    def reply(output: Any) -> Any:
+        if type(output) is not EarlyRows:
+            return output
+        decided[0] = on_rows(output.parts) or None
+        return None
+
+    def execute(scheduler_output: Any, non_block: bool = False) -> Any:
+        decided[0] = None
+        output = execute_model(scheduler_output, non_block=non_block)
+        return _Reply(output, reply) if non_block else reply(output)
+
+    def sample(grammar_output: Any, non_block: bool = False) -> Any:
+        decisions, decided[0] = decided[0], None
+        if decisions is not None:
+            grammar_output = Forced(grammar_output, decisions)
+        return sample_tokens(grammar_output, non_block=non_block)
+
+    executor.execute_model, executor.sample_tokens = execute, sample
+
+
+class _Reply:
+    """A future of ``execute_model``'s reply whose result goes through ``reply`` once."""
+
+    def __init__(self, future: Any, reply: Callable[[Any], Any]):
+        self._future, self._reply = future, reply
+
+    def result(self, timeout: float | None = None) -> Any:
+        reply, self._reply = self._reply, None
+        output = self._future.result() if timeout is None else self._future.result(timeout)
+        return output if reply is None else reply(output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._future, name)
+
+
+def _deliver_rows(output: Any, on_rows: Callable[[Any, Any], Any], ring: Any) -> None:
     rows = getattr(output, _ROWS_ATTR, None)
     if rows is not None:
-        deliver(rows, ring)
+        on_rows(rows, ring)
 
 
 def _before_update(scheduler: Any, hook: Callable[[Any, Any], None]) -> None:
@@ -91,37 +177,81 @@ def _before_update(scheduler: Any, hook: Callable[[Any, Any], None]) -> None:
     hooks.append(hook)
 
 
-def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int, width: int) -> dict | bool:
-    """In a worker process (through ``collective_rpc``): on the output rank, makes the capture
-    processor gather rows for the engine's process, into a row ring it shares, and its step
-    output say where they are; returns the ring's handle and whether partial prefills can
-    be told (False on the other ranks)."""
+def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int, width: int,
+                       early: bool) -> dict | bool:
+    """In a worker process (through ``collective_rpc``): every rank forces the tokens that
+    come with ``sample_tokens``; the output rank also gathers rows for the engine's process,
+    into a row ring it shares, and replies with them (``early``: to ``execute_model``, else
+    with the step's output). Returns the ring's handle and what the rank can do (False on the
+    other ranks)."""
     from .. import capture
-    from ..row_ring import RowRing
+    from ..forcing import ForcedSampling
 
     runner = getattr(worker, "model_runner", None)
     _install_generator_rewind(runner)  # every rank samples
-    sample_tokens = getattr(runner, "sample_tokens", None)
-    if getattr(worker, "rank", None) != output_rank or sample_tokens is None:
+    sample_tokens = getattr(worker, "sample_tokens", None)
+    if sample_tokens is None or getattr(runner, "sample_tokens", None) is None:
+        return False
+    early = early and hasattr(runner, "execute_model_state") and callable(getattr(worker, "execute_model", None))
+    if not getattr(worker, "_genlm_forced", False):
+        _install_forced(runner, ForcedSampling())
+
+        def sample(grammar_output: Any) -> Any:
+            if type(grammar_output) is not Forced:
+                return sample_tokens(grammar_output)
+            capture.set_decisions(grammar_output.decisions)
+            try:
+                return sample_tokens(grammar_output.grammar_output)
+            finally:
+                capture.set_decisions(None)
+
+        worker.sample_tokens = sample
+        worker._genlm_forced = True
+    if getattr(worker, "rank", None) != output_rank:
         return False
     remote = getattr(runner, "_genlm_remote", None)
     if remote is None:
-        try:
-            ring = RowRing.create(max_rows, depth, width, getattr(runner, "device", "cpu")) if max_rows > 0 else None
-        except (RuntimeError, OSError):  # no room for it: rows travel as arrays
-            ring = None
-        remote = capture.RemoteRows(_mask_reader(runner), ring)
+        remote = _gather_in(worker, runner, max_rows, depth, width, early)
+    ring = remote.ring
+    return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None,
+            "early": remote.early}
+
+
+def _gather_in(worker: Any, runner: Any, max_rows: int, depth: int, width: int, early: bool) -> Any:
+    """Makes the output rank's capture processors gather the rows of the engine process's
+    sinks, and its replies carry them."""
+    from .. import capture, remote_rows
+    from ..row_ring import RowRing
+
+    try:
+        ring = RowRing.create(max_rows, depth, width, getattr(runner, "device", "cpu")) if max_rows > 0 else None
+    except (RuntimeError, OSError):  # no room for it: rows travel as arrays
+        ring = None
+    remote = remote_rows.RemoteRows(_mask_reader(runner), ring, early)
+    if early:
+        execute_model = worker.execute_model
+
+        def execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            output = execute_model(scheduler_output, *args, **kwargs)
+            state = runner.execute_model_state
+            if output is not None or state is None:
+                return output
+            parts = remote_rows.gather_remote(runner.input_batch.logitsprocs.all, state.logits, remote)
+            return None if parts is None else EarlyRows(parts)
+
+        worker.execute_model = execute
+    else:
+        runner_sample = runner.sample_tokens
 
         def sample(*args: Any, **kwargs: Any) -> Any:
-            output = sample_tokens(*args, **kwargs)
+            output = runner_sample(*args, **kwargs)
             rows = remote.take()
             return output if rows is None else _carrying(output, rows)
 
         runner.sample_tokens = sample
-        runner._genlm_remote = remote
-        capture.set_remote(remote)
-    ring = remote.ring
-    return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None}
+    runner._genlm_remote = remote
+    capture.set_remote(remote)
+    return remote
 
 
 def _carrying(output: Any, rows: Any) -> Any:

@@ -99,7 +99,10 @@ def install_forced_sampling(engine: Any, forcing: Any) -> Any:
     ``wrap_to_list`` take the originals and return their replacements). Returns the
     ``ForcedSampling`` in effect (an earlier one when this runner has one already), or None
     where the runner is not in this process or lacks those calls."""
-    runner = _model_runner(engine)
+    return _install_forced(_model_runner(engine), forcing)
+
+
+def _install_forced(runner: Any, forcing: Any) -> Any:
     sampler = getattr(runner, "sampler", None)
     if runner is None or not all(callable(getattr(o, n, None)) for o, n in
                                  ((sampler, "forward"), (sampler, "sample"), (runner, "_to_list"))):
