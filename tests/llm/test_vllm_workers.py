@@ -214,13 +214,21 @@ async def _lockstep_rows_match(lm, hf_reference, seed):
     return lm.stats()["sessions"]
 
 
-async def test_rows_travel_in_the_reply_where_there_is_no_ring(tiny_model_dirs, hf_reference, monkeypatch):
-    """No shared memory (a ring of 0 bytes): each step's rows travel as arrays in the
-    worker's reply, and sessions are still held."""
-    from genlm_backend.llm.vllm import AsyncVirtualLM
+@pytest.mark.parametrize("why", ["no room", "not mappable here"])
+async def test_rows_travel_in_the_reply_where_there_is_no_ring(tiny_model_dirs, hf_reference, monkeypatch, why):
+    """No shared memory: each step's rows travel as arrays in the worker's reply, and
+    sessions are still held. Either the ring has no room (0 bytes), or this process
+    cannot map the worker's ring (a worker on another host, through Ray)."""
+    from genlm_backend.llm.vllm import AsyncVirtualLM, row_ring
     from genlm_backend.llm.vllm.internals import remote
 
-    monkeypatch.setattr(remote, "RING_BYTES", 0)
+    if why == "no room":
+        monkeypatch.setattr(remote, "RING_BYTES", 0)
+    else:
+        def unmappable(handle):
+            raise OSError("the worker's ring is on another host")
+
+        monkeypatch.setattr(row_ring, "open_ring", unmappable)
     lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]),
                                   engine_opts={**ENGINE_OPTS, "distributed_executor_backend": "mp"})
     try:

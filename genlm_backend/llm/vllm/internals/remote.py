@@ -92,9 +92,13 @@ def install_remote_capture(llm: Any, on_rows: Callable[[Any, Any], dict | None])
     found = next((i for i in installed if isinstance(i, dict)), None)
     if found is None:
         return None
-    handle = found["ring"]
-    early = early and found["early"]
-    remote = RemoteCapture(None if handle is None else open_ring(handle), found["final_rows"], early)
+    ring = None
+    if found["ring"] is not None:
+        try:
+            ring = open_ring(found["ring"])
+        except (RuntimeError, OSError):  # the worker is on another host: rows travel as arrays
+            llm.collective_rpc(_drop_ring)
+    remote = RemoteCapture(ring, found["final_rows"], early and found["early"])
     if early:
         _hand_over_before_sampling(executor, lambda parts: on_rows(parts, remote.ring))
     else:
@@ -215,6 +219,13 @@ def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int,
     ring = remote.ring
     return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None,
             "early": remote.early}
+
+
+def _drop_ring(worker: Any) -> None:
+    """In a worker process: its rows go in its replies, not into a ring."""
+    remote = getattr(getattr(worker, "model_runner", None), "_genlm_remote", None)
+    if remote is not None:
+        remote.ring = None
 
 
 def _gather_in(worker: Any, runner: Any, max_rows: int, depth: int, width: int, early: bool) -> Any:
