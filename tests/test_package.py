@@ -18,6 +18,7 @@ EXPORTED = {
     "AsyncVirtualLM",
     "AsyncTransformer",
     "MockAsyncLM",
+    "ReplicatedLM",
     "decode_vocab",
     "Token",
     "TokenCharacterTrie",

@@ -71,3 +71,29 @@ def test_rows_written_in_another_process_read_back_exactly(device):
     assert torch.equal(read.cpu(), rows)
     ring.slots(start, 3).zero_()  # a copy: the ring may be written over once read returns
     assert torch.equal(read.cpu(), rows)
+
+
+def test_a_cuda_ring_is_opened_on_the_device_with_its_uuid(monkeypatch):
+    """A replica's worker sees only its own GPU, as its ``cuda:0``; this process, which sees
+    every GPU, may call that GPU ``cuda:1``. The handle's UUID says which one it is."""
+    from genlm_backend.llm.vllm import row_ring
+    from genlm_backend.llm.vllm.row_ring import local_device_index
+
+    uuids = ["GPU-aa", "GPU-bb"]
+    assert local_device_index("GPU-bb", 0, uuids) == 1
+    assert local_device_index("GPU-aa", 0, uuids) == 0
+    assert local_device_index(None, 1, uuids) == 1  # no UUID: the index as given
+    assert local_device_index("GPU-cc", 0, uuids) == 0  # not a device of this process
+
+    seen = []
+
+    def rebuild(tensor_cls, storage_device, storage_handle):  # torch's names, fewer of them
+        seen.append(storage_device)
+        return torch.zeros(8, 3)
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(row_ring, "device_uuid", lambda index: uuids[index])
+    ring = open_ring(("cuda", rebuild, (None, 0, b"handle"), 4, "GPU-bb"))
+    assert seen == [1] and ring.shape == (8, 3) and ring.max_rows == 4
+    open_ring(("cuda", rebuild, (None, 0, b"handle"), 4))  # a handle without a UUID
+    assert seen == [1, 0]

@@ -214,6 +214,38 @@ def test_engine_environment_is_set_for_the_build_and_the_callers_comes_back(monk
         assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is None
 
 
+def test_engine_devices_are_what_the_builds_of_one_thread_see(monkeypatch):
+    """``engine_devices`` (how each replica of ReplicatedLM gets its own GPUs): the chosen
+    devices are ``CUDA_VISIBLE_DEVICES`` while an engine of this thread is built, and the
+    caller's value, set or unset, comes back after it, also after a failed build."""
+    import threading
+
+    from genlm_backend.llm.vllm.startup import engine_devices, engine_environment
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with engine_environment({}, can_capture=True):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # none chosen: the caller's
+    with engine_devices([1]):
+        with engine_environment({"distributed_executor_backend": "mp"}, can_capture=True):
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+        seen = []
+
+        def build_elsewhere():
+            with engine_environment({}, can_capture=True):
+                seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
+
+        other = threading.Thread(target=build_elsewhere)
+        other.start()
+        other.join()
+        assert seen == ["0,1"]  # another thread's builds choose their own
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with engine_devices(["GPU-a", "GPU-b"]), pytest.raises(RuntimeError), engine_environment({}, can_capture=True):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+        raise RuntimeError("the build failed")
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
 async def test_batch_size_bounds_every_log_probability_batch(vllm_lm, hf_reference):
     """``batch_size`` below ``max_num_seqs`` (8 here): batches of at most ``batch_size``
     distinct prompts, also while sessions continue contexts from one batch to the next."""

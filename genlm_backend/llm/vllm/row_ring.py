@@ -17,17 +17,25 @@ then. So ``depth + READ_LAG`` steps may run while a step's rows are still to be 
 with ``(depth + READ_LAG + 2) * max_rows`` slots and at most ``max_rows`` rows a step none
 of them reaches its slots: for one of them to restart at 0, that step must start beyond
 slot ``(depth + READ_LAG) * max_rows``, more than those steps can fill from 0.
+
+Devices: a worker started with its own ``CUDA_VISIBLE_DEVICES`` (a replica of
+:class:`~genlm_backend.llm.replicas.ReplicatedLM` on its own GPU) makes its ring on its
+``cuda:0``, which this process, seeing every GPU, may call ``cuda:1``. A CUDA handle carries
+the device's UUID, and :func:`open_ring` maps the ring on the device of this process that
+has that UUID (:func:`local_device_index`), so its rows arrive on the worker's own GPU.
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import os
 import tempfile
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["READ_LAG", "RowRing", "open_ring"]
+__all__ = ["READ_LAG", "RowRing", "device_uuid", "local_device_index", "open_ring"]
 
 READ_LAG = 2  # reads between copying a step's rows and making sure the copy is done
 
@@ -66,7 +74,7 @@ class RowRing:
         from torch.multiprocessing.reductions import reduce_tensor
 
         rebuild, args = reduce_tensor(self.rows)
-        return ("cuda", rebuild, args, self.max_rows)
+        return ("cuda", rebuild, args, self.max_rows, device_uuid(self.rows.device))
 
     def claim(self, count: int) -> int | None:
         """The first of ``count`` consecutive slots for one step's rows (in the worker);
@@ -114,6 +122,42 @@ def open_ring(handle: tuple) -> RowRing:
             os.unlink(path)
         return RowRing(rows.view(num_slots, width), max_rows)
     if kind == "cuda":
-        _, rebuild, args, max_rows = handle
-        return RowRing(rebuild(*args), max_rows)
+        _, rebuild, args, max_rows, *uuid = handle
+        return RowRing(rebuild(*_on_local_device(rebuild, args, uuid[0] if uuid else None)), max_rows)
     raise ValueError(f"unknown row ring kind {kind!r}")
+
+
+def device_uuid(device: torch.device | int) -> str | None:
+    """The UUID of a CUDA device (the same in every process, whatever it calls the device),
+    or None where torch does not tell it."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return None if uuid is None else str(uuid)
+
+
+def local_device_index(uuid: str | None, index: int, uuids: list[str | None]) -> int:
+    """The index, in a process whose devices have ``uuids`` (in order), of the device with
+    ``uuid``, which the process that made the handle called ``index``; ``index`` itself where
+    the UUID is unknown or not among this process's devices (both processes see the same
+    devices then, or the handle cannot be mapped better)."""
+    if uuid is not None:
+        for local, other in enumerate(uuids):
+            if other == uuid:
+                return local
+    return index
+
+
+def _on_local_device(rebuild: Callable, args: tuple, uuid: str | None) -> tuple:
+    """``args`` of torch's ``rebuild_cuda_tensor`` with the device index of this process
+    that has ``uuid`` (a worker's ``cuda:0`` may be this process's ``cuda:1``)."""
+    if uuid is None:
+        return args
+    try:
+        position = list(inspect.signature(rebuild).parameters).index("storage_device")
+    except (ValueError, TypeError):  # another torch's rebuild function: keep its index
+        return args
+    index = int(args[position])
+    uuids = [device_uuid(i) for i in range(torch.cuda.device_count())]
+    local = local_device_index(uuid, index, uuids)
+    if local == index:
+        return args
+    return (*args[:position], local, *args[position + 1 :])

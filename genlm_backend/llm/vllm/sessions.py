@@ -155,7 +155,8 @@ class SessionPool:
                 continue
             parent = request.parent
             session = None if parent is None else parent.kept
-            if session is None or session.key is not parent:
+            # (``kept`` may be another pool's session: replicas share their callers' requests)
+            if session is None or session.key is not parent or sessions.get(session.request_id) is not session:
                 context = request.token_ids
                 if len(context) < 2:
                     continue
