@@ -36,9 +36,10 @@ class TokenCharacterTrie:
         children: ``children[node]`` is a dict from edge label to child id: an ``int`` byte,
             an end-of-sequence object, or ``(None, position)`` for the edge to the leaf of
             the token at ``position``. Built lazily per node (see :class:`Children`).
-        word2leaf: ``(byte_string, token_id) -> leaf`` for byte tokens (``byte_string`` is
-            plain ``bytes``; ``token_id`` is a ``Token``'s own id, else the position), and
-            ``obj -> leaf`` for an end-of-sequence object. If a key occurs more than once
+        word2leaf: ``(byte_string, token_id) -> leaf`` for a ``Token`` (``byte_string`` is
+            plain ``bytes``, ``token_id`` the Token's own id), ``bytes -> leaf`` for plain
+            bytes, and ``obj -> leaf`` for an end-of-sequence object (as genlm-backend
+            0.3.1 keys them). If a key occurs more than once
             the first position wins; every position still has its own leaf.
         num_nodes: internal nodes plus leaves; results of the weight methods have this
             length. Internal nodes are numbered breadth-first; the leaf of the token at
@@ -65,7 +66,7 @@ class TokenCharacterTrie:
         self.root = 0
         self.num_nodes = layout.num_nodes
         self.children = Children(layout)
-        self.word2leaf = _word2leaf(layout)
+        self.word2leaf = _word2leaf(decode, layout)
         self._numpy_kernels = _NumpyKernels(layout, self._plan)
 
     # ---- structure ----------------------------------------------------------------------
@@ -84,7 +85,7 @@ class TokenCharacterTrie:
     def leaf2word(self) -> dict:
         """``leaf -> word2leaf key`` of every position (the inverse of ``word2leaf`` plus the
         leaves of repeated keys)."""
-        return dict(zip(self.token_id_to_leaf.tolist(), _word_keys(self._layout)))
+        return dict(zip(self.token_id_to_leaf.tolist(), _word_keys(self.decode, self._layout)))
 
     @cached_property
     def leaf2token_id(self) -> dict:
@@ -148,15 +149,24 @@ class TokenCharacterTrie:
         return wrap_result(out, info)
 
 
-def _word_keys(layout: TrieLayout) -> list:
-    """The ``word2leaf`` key of every position."""
-    if layout.eos_nodes:
-        return [(w, t) if type(w) is bytes else w for w, t in zip(layout.words, layout.token_ids)]
-    return list(zip(layout.words, layout.token_ids))
+def _word_keys(decode: Sequence[Any], layout: TrieLayout) -> list:
+    """The ``word2leaf`` key of every position, as genlm-backend 0.3.1 keys them: a byte
+    token's ``(byte_string, token_id)`` (a ``Token``, an object with an int ``token_id``),
+    plain bytes themselves, an end-of-sequence object itself."""
+    keys = []
+    for item, word in zip(decode, layout.words):
+        if type(item) is bytes:
+            keys.append(item)
+        elif isinstance(item, (bytes, bytearray, memoryview)):
+            token_id = getattr(item, "token_id", None)
+            keys.append((word, token_id) if isinstance(token_id, int) else word)
+        else:
+            keys.append(item)
+    return keys
 
 
-def _word2leaf(layout: TrieLayout) -> dict:
-    keys = _word_keys(layout)
+def _word2leaf(decode: Sequence[Any], layout: TrieLayout) -> dict:
+    keys = _word_keys(decode, layout)
     leaves = range(layout.num_internal, layout.num_nodes)
     word2leaf = dict(zip(keys, leaves))
     if len(word2leaf) < len(keys):  # a repeated key: the first position wins

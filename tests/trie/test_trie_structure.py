@@ -13,10 +13,9 @@ from tests.trie.strategies import EndOfSequence, vocabularies
 
 
 def word_key(item, position):
+    """The key genlm-backend 0.3.1 gives a vocabulary item (and genlm-control looks up)."""
     if isinstance(item, Token):
         return (item.byte_string, item.token_id)
-    if isinstance(item, bytes):
-        return (item, position)
     return item
 
 
@@ -54,7 +53,7 @@ def test_word2leaf_and_inverse_tables(vocab):
         token_id = item.token_id if isinstance(item, Token) else position
         assert trie.leaf2token_id[trie.first_leaf + position] == token_id
     assert all(
-        type(k) is tuple and type(k[0]) is bytes or isinstance(k, EndOfSequence)
+        type(k) is tuple and type(k[0]) is bytes or type(k) is bytes or isinstance(k, EndOfSequence)
         for k in trie.word2leaf
     )
 
@@ -78,8 +77,8 @@ def test_identical_bytes_keep_separate_leaves():
     x = trie.children[trie.root][ord("x")]
     assert list(trie.children[x]) == [(None, 0), (None, 1), (None, 2), (None, 3)]
     assert trie.num_nodes == 2 + 4
-    assert trie.word2leaf[(b"x", 0)] != trie.word2leaf[(b"x", 1)]
-    assert trie.word2leaf[(b"x", 5)] == trie.children[x][(None, 2)]  # first of the repeats
+    assert trie.word2leaf[b"x"] == trie.children[x][(None, 0)]  # plain bytes: the first of the repeats
+    assert trie.word2leaf[(b"x", 5)] == trie.children[x][(None, 2)]  # a Token: the first of the repeats
 
 
 def test_children_behaves_like_a_list_of_dicts():
@@ -124,5 +123,18 @@ def test_bad_vocabularies_are_rejected(cls, decode, error):
 
 def test_bytes_like_items_are_accepted():
     trie = TokenCharacterTrie([bytearray(b"ab"), memoryview(b"a"), b"b"])
-    assert trie.word2leaf[(b"ab", 0)] == trie.first_leaf
+    assert trie.word2leaf[b"ab"] == trie.first_leaf
     assert set(trie.children[trie.root]) == {ord("a"), ord("b")}
+
+
+@pytest.mark.parametrize("cls", [TokenCharacterTrie, ParallelTokenCharacterTrie])
+def test_a_set_sampler_finds_every_leaf_as_genlm_control_looks_it_up(cls):
+    """genlm-control 0.4.1's ``TrieSetSampler`` keys a Token by ``(byte_string, token_id)``
+    and anything else (plain bytes, an end-of-sequence object) by itself, then maps each
+    leaf back to the item's position; a plain-bytes item not found there failed its
+    samplers with ``KeyError`` (genlm-backend 0.3.1 keys plain bytes by themselves)."""
+    eos = EndOfSequence()
+    vocab = [b"0", b"ab", Token(token_id=9, byte_string=b"a"), b"", eos]
+    trie = cls(vocab)
+    found = {trie.word2leaf[word_key(item, i)]: i for i, item in enumerate(vocab) if word_key(item, i) in trie.word2leaf}
+    assert found == {trie.first_leaf + i: i for i in range(len(vocab))}
