@@ -182,6 +182,8 @@ class AsyncLM(Adapters, ABC):
         else is awaiting the model.
         """
         requests = self._requests(token_ids_list, lora_name)
+        if self.cache is None:
+            return torch.stack(await self._enqueued(requests))
         rows = await asyncio.gather(*(self._logprobs(r, use_cache=True) for r in requests))
         return torch.stack(rows)
 
@@ -197,9 +199,23 @@ class AsyncLM(Adapters, ABC):
         requests = self._requests(token_ids_list, lora_name)
 
         async def gather() -> list[torch.Tensor]:
-            return await asyncio.gather(*(self._logprobs(r, use_cache=False) for r in requests))
+            return await self._enqueued(requests)
 
         return torch.stack(run_sync(gather()))
+
+    def _enqueued(self, requests: list[LogprobsRequest]) -> asyncio.Future:
+        """The rows of ``requests``, queued without a coroutine or task each (a program
+        that sends a whole population at once pays one future a row)."""
+        self._check_open()
+        enqueue, futures = self._logprobs_batcher.enqueue, []
+        try:
+            for request in requests:
+                futures.append(enqueue(request))
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return asyncio.gather(*futures)
 
     async def _logprobs(self, request: LogprobsRequest, *, use_cache: bool) -> torch.Tensor:
         self._check_open()

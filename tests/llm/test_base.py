@@ -280,3 +280,22 @@ async def test_sampling_draws_run_off_the_event_loop_thread(lm, monkeypatch):
     lm.cleanup()  # the draws' thread ends with the model: a library leaves no thread behind
     threads[0].join(timeout=10)
     assert not threads[0].is_alive()
+
+
+async def test_cancelling_a_batch_call_harms_no_other_awaiter(lm):
+    """A batch call queues one future a row; cancelling it cancels only its own waits: a
+    caller awaiting the same prompt still gets its row, and nothing else is lost."""
+    batch = asyncio.ensure_future(lm.batch_next_token_logprobs([[4, 5], [6]]))
+    other = asyncio.ensure_future(lm.next_token_logprobs([6]))
+    await asyncio.sleep(0)  # both queued, the batch not run yet
+    batch.cancel()
+    assert torch.equal(await other, lm.logprobs_of([6]))
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert torch.equal(await lm.next_token_logprobs([4, 5]), lm.logprobs_of([4, 5]))
+
+
+async def test_a_batch_call_after_cleanup_queues_nothing(lm):
+    lm.cleanup()
+    with pytest.raises(ClosedError):
+        await lm.batch_next_token_logprobs([[1], [2]])
