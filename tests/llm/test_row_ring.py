@@ -48,6 +48,22 @@ def test_the_steps_run_while_one_is_read_never_reach_its_slots(depth):
     assert overwritten(claimed((ahead + 1) * max_rows, max_rows, seed=depth), ahead)
 
 
+def test_rows_read_before_the_next_step_need_only_a_ring_of_depth_0():
+    """Read at once (``lag=0``, the next step waits for the read): ``2 * max_rows`` slots,
+    and no step's rows reach the slots of the step read just before it."""
+    max_rows = 7
+    made = RowRing.create(max_rows, 0, 1, "cpu", lag=0)
+    os.unlink(made.path)
+    assert made.shape == (2 * max_rows, 1) and made.lag == 0
+    ring, rng = RowRing(torch.zeros(2 * max_rows, 1), max_rows, lag=0), random.Random(5)
+    for step in range(2000):  # write a step, read it back whole, then the next step
+        n = rng.randint(1, max_rows)
+        start = ring.claim(n)
+        values = torch.arange(n, dtype=torch.float32).unsqueeze(1) + 100 * step
+        ring.slots(start, n).copy_(values)
+        assert start + n <= 2 * max_rows and torch.equal(ring.read(start, n), values)
+
+
 def _write_in_child(handle, start, rows):
     ring = open_ring(handle)
     ring.slots(start, rows.shape[0]).copy_(rows.to(ring.rows.device))

@@ -18,6 +18,12 @@ with ``(depth + READ_LAG + 2) * max_rows`` slots and at most ``max_rows`` rows a
 of them reaches its slots: for one of them to restart at 0, that step must start beyond
 slot ``(depth + READ_LAG) * max_rows``, more than those steps can fill from 0.
 
+Where the rows are read before the step that wrote them samples (vLLM's engine core running
+one step at a time, :mod:`genlm_backend.llm.vllm.internals.remote`), no step runs while its
+rows wait: the engine's process waits for its copy at once (``lag=0``; the device is idle
+then) and a ring of ``depth=0`` (``2 * max_rows`` slots) is enough, so a 1 GiB ring holds
+a step of 1024 rows of a 131k vocabulary.
+
 Devices: a worker started with its own ``CUDA_VISIBLE_DEVICES`` (a replica of
 :class:`~genlm_backend.llm.replicas.ReplicatedLM` on its own GPU) makes its ring on its
 ``cuda:0``, which this process, seeing every GPU, may call ``cuda:1``. A CUDA handle carries
@@ -43,25 +49,27 @@ READ_LAG = 2  # reads between copying a step's rows and making sure the copy is 
 class RowRing:
     """``num_slots`` rows of ``width`` fp32 values; at most ``max_rows`` written per step."""
 
-    def __init__(self, rows: torch.Tensor, max_rows: int, path: str | None = None):
+    def __init__(self, rows: torch.Tensor, max_rows: int, path: str | None = None, lag: int = READ_LAG):
         self.rows = rows  # [num_slots, width]
         self.max_rows = int(max_rows)
         self.path = path  # the backing file of a CPU ring (None: device memory)
         self._cursor = 0
+        self.lag = int(lag)  # reads between copying a step's rows and waiting for that copy
         self._copies: collections.deque = collections.deque()  # CUDA events of the last reads' copies
 
     @classmethod
-    def create(cls, max_rows: int, depth: int, width: int, device: torch.device | str) -> RowRing:
-        """A new ring in this process (the worker's), for ``max_rows`` rows a step and
-        ``depth`` steps run beyond the one being read."""
+    def create(cls, max_rows: int, depth: int, width: int, device: torch.device | str, lag: int = READ_LAG) -> RowRing:
+        """A new ring in this process (the worker's), for ``max_rows`` rows a step,
+        ``depth`` steps run beyond the one being read and ``lag`` reads before a copy is
+        waited for."""
         device = torch.device(device)
-        num_slots = (max(int(depth), 1) + READ_LAG + 2) * int(max_rows)
+        num_slots = (max(int(depth), 0) + max(int(lag), 0) + 2) * int(max_rows)
         if device.type == "cpu":
             fd, path = tempfile.mkstemp(prefix="genlm-rows-")
             os.close(fd)
             rows = torch.from_file(path, shared=True, size=num_slots * width, dtype=torch.float32)
-            return cls(rows.view(num_slots, width), max_rows, path)
-        return cls(torch.empty((num_slots, width), dtype=torch.float32, device=device), max_rows)
+            return cls(rows.view(num_slots, width), max_rows, path, lag)
+        return cls(torch.empty((num_slots, width), dtype=torch.float32, device=device), max_rows, lag=lag)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -91,14 +99,15 @@ class RowRing:
 
     def read(self, start: int, count: int) -> torch.Tensor:
         """A copy of ``count`` rows from slot ``start`` (in the engine's process), ordered
-        before later work on this process's current stream; the copy of ``READ_LAG`` reads
-        back is complete when this returns, so the worker may write over those slots."""
+        before later work on this process's current stream; the copy of ``lag`` reads back
+        (this one, for ``lag=0``) is complete when this returns, so the worker may write over
+        those slots."""
         copied = self.rows[start : start + count].clone()
         if copied.is_cuda:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(copied.device))
             self._copies.append(done)
-            while len(self._copies) > READ_LAG:
+            while len(self._copies) > self.lag:
                 self._copies.popleft().synchronize()
         return copied
 

@@ -83,12 +83,13 @@ def install_remote_capture(llm: Any, on_rows: Callable[[Any, Any], dict | None])
         return scheduler._genlm_remote_capture
     config = engine.vllm_config
     width = int(engine.model_config.get_vocab_size())
-    depth = max(int(getattr(config, "max_concurrent_batches", 2)) - 1, 1)
-    max_rows = min(int(config.scheduler_config.max_num_seqs), RING_BYTES // ((depth + READ_LAG + 2) * width * 4))
     early = _one_step_at_a_time(core) and all(callable(getattr(executor, n, None))
                                               for n in ("execute_model", "sample_tokens"))
+    # Rows read before their step samples wait for no later step (see row_ring).
+    depth, lag = (0, 0) if early else (max(int(getattr(config, "max_concurrent_batches", 2)) - 1, 1), READ_LAG)
+    max_rows = min(int(config.scheduler_config.max_num_seqs), RING_BYTES // ((depth + lag + 2) * width * 4))
     installed = llm.collective_rpc(_install_in_worker,
-                                   args=(getattr(executor, "output_rank", 0), max_rows, depth, width, early))
+                                   args=(getattr(executor, "output_rank", 0), max_rows, depth, lag, width, early))
     found = next((i for i in installed if isinstance(i, dict)), None)
     if found is None:
         return None
@@ -96,6 +97,7 @@ def install_remote_capture(llm: Any, on_rows: Callable[[Any, Any], dict | None])
     if found["ring"] is not None:
         try:
             ring = open_ring(found["ring"])
+            ring.lag = lag
         except (RuntimeError, OSError):  # the worker is on another host: rows travel as arrays
             llm.collective_rpc(_drop_ring)
     remote = RemoteCapture(ring, found["final_rows"], early and found["early"])
@@ -181,7 +183,7 @@ def _before_update(scheduler: Any, hook: Callable[[Any, Any], None]) -> None:
     hooks.append(hook)
 
 
-def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int, width: int,
+def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int, lag: int, width: int,
                        early: bool) -> dict | bool:
     """In a worker process (through ``collective_rpc``): every rank forces the tokens that
     come with ``sample_tokens``; the output rank also gathers rows for the engine's process,
@@ -196,7 +198,8 @@ def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int,
     sample_tokens = getattr(worker, "sample_tokens", None)
     if sample_tokens is None or getattr(runner, "sample_tokens", None) is None:
         return False
-    early = early and hasattr(runner, "execute_model_state") and callable(getattr(worker, "execute_model", None))
+    if early and not (hasattr(runner, "execute_model_state") and callable(getattr(worker, "execute_model", None))):
+        return False  # (its ring would be sized for rows read at once)
     if not getattr(worker, "_genlm_forced", False):
         _install_forced(runner, ForcedSampling())
 
@@ -215,7 +218,7 @@ def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int,
         return False
     remote = getattr(runner, "_genlm_remote", None)
     if remote is None:
-        remote = _gather_in(worker, runner, max_rows, depth, width, early)
+        remote = _gather_in(worker, runner, max_rows, depth, lag, width, early)
     ring = remote.ring
     return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None,
             "early": remote.early}
@@ -228,14 +231,14 @@ def _drop_ring(worker: Any) -> None:
         remote.ring = None
 
 
-def _gather_in(worker: Any, runner: Any, max_rows: int, depth: int, width: int, early: bool) -> Any:
+def _gather_in(worker: Any, runner: Any, max_rows: int, depth: int, lag: int, width: int, early: bool) -> Any:
     """Makes the output rank's capture processors gather the rows of the engine process's
     sinks, and its replies carry them."""
     from .. import capture, remote_rows
     from ..row_ring import RowRing
 
     try:
-        ring = RowRing.create(max_rows, depth, width, getattr(runner, "device", "cpu")) if max_rows > 0 else None
+        ring = RowRing.create(max_rows, depth, width, getattr(runner, "device", "cpu"), lag) if max_rows > 0 else None
     except (RuntimeError, OSError):  # no room for it: rows travel as arrays
         ring = None
     remote = remote_rows.RemoteRows(_mask_reader(runner), ring, early)
