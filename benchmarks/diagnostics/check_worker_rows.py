@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.models import parse_opts, workload_model  # noqa: E402
+from benchmarks.models import parse_opts, workload_model
 
 
 def compare(ours: torch.Tensor, listed: torch.Tensor) -> dict:
