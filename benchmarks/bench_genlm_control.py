@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the repo, for `benchmarks.common`
 
 from benchmarks.bench_smc_vllm import time_floor
-from benchmarks.common import print_table, summarise, write_json
+from benchmarks.common import print_table, report, run_child, summarise, write_json
 from benchmarks.models import parse_opts, vocab_size, workload_model
 
 CONFIGS = ("floor", "ours", "peer")
@@ -286,7 +286,7 @@ def versions(role: str) -> dict[str, str]:
 
 
 def serve(setup: str) -> None:
-    """A child process: time one configuration, print its result as one ``@result`` line."""
+    """A child process: time one configuration, report its result to the parent."""
     setup = json.loads(setup)
     args, role = parse_args(setup["argv"]), setup["role"]
     if role == "floor":
@@ -296,7 +296,7 @@ def serve(setup: str) -> None:
         floor_args = argparse.Namespace(steps=args.max_tokens, particles=args.particles, repeats=args.repeats)
         out = {"times": time_floor(llm, setup["prompt"], floor_args),
                "profile": [profile_floor(llm, setup["prompt"], n, args) for n in args.profile]}
-        print("@result", json.dumps(out), flush=True)
+        report(out)
         return
     load_consumer(role, setup["consumer_site"])
     from genlm.control import SMC, direct_token_sampler
@@ -307,15 +307,15 @@ def serve(setup: str) -> None:
            "profile": [profile_smc(role, smc, potential.model, n, args) for n in args.profile]}
     if hasattr(potential.model, "stats") and role == "ours":
         out["stats"] = potential.model.stats()
-    print("@result", json.dumps(out, default=str), flush=True)
+    report(out, default=str)
     if hasattr(potential.model, "cleanup"):
         potential.model.cleanup()
 
 
 def in_child(role: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace) -> dict:
     """Runs ``role`` alone in a child process; returns its result (JSON keys of N as ints)."""
-    setup = json.dumps({"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
-                        "consumer_site": str(Path(args.consumer_site).resolve()), "argv": sys.argv[1:]})
+    setup = {"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
+             "consumer_site": str(Path(args.consumer_site).resolve()), "argv": sys.argv[1:]}
     env = dict(os.environ)
     for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"),
                        ("TOKENIZERS_PARALLELISM", "false")):
@@ -327,14 +327,9 @@ def in_child(role: str, model_dir: Path, engine_opts: dict, prompt: list[int], a
     if role == "peer":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(args.peer).resolve()), env.get("PYTHONPATH")]))
     print(f"--- {role}", flush=True)
-    child = subprocess.run([sys.executable, __file__, "--serve", setup], check=False, capture_output=True, text=True,
-                           env=env)
-    for line in child.stdout.splitlines():
-        if line.startswith("@result "):
-            result = json.loads(line.removeprefix("@result "))
-            result["times"] = {int(n): v for n, v in result["times"].items()}
-            return result
-    raise RuntimeError(f"the {role}'s process failed (exit {child.returncode}):\n{child.stderr[-6000:]}")
+    result = run_child(__file__, setup, env, f"the {role}'s process")
+    result["times"] = {int(n): v for n, v in result["times"].items()}
+    return result
 
 
 # ---- the run ------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for `benchmarks.common`
 
 from benchmarks.bench_smc_vllm import time_backend
-from benchmarks.common import print_table, write_json
+from benchmarks.common import print_table, report, run_child, write_json
 from benchmarks.models import parse_opts, vocab_size, workload_model
 
 
@@ -61,7 +60,7 @@ def build(config: str, model_dir: Path, engine_opts: dict) -> Any:
 
 
 def serve(setup: str) -> None:
-    """In a child process: times one configuration; prints ``@result`` and its JSON."""
+    """In a child process: times one configuration; reports its result to the parent."""
     setup = json.loads(setup)
     args = parse_args(setup["argv"])
     lm = build(setup["config"], Path(setup["model"]), setup["opts"])
@@ -76,7 +75,7 @@ def serve(setup: str) -> None:
             stats = {"sessions": stats.get("sessions"), "engine": stats.get("engine")}
     finally:
         lm.cleanup()
-    print("@result", json.dumps({"timed": timed, "stats": {**stats, "check": check}}), flush=True)
+    report({"timed": timed, "stats": {**stats, "check": check}})
 
 
 async def check_rows(lm: Any, prompt: list[int], n: int = 16) -> dict:
@@ -93,17 +92,12 @@ async def check_rows(lm: Any, prompt: list[int], n: int = 16) -> dict:
 
 
 def in_child(config: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace) -> dict:
-    setup = json.dumps({"config": config, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
-                        "argv": sys.argv[1:] if args.argv is None else args.argv})
+    setup = {"config": config, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
+             "argv": sys.argv[1:] if args.argv is None else args.argv}
     env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    child = subprocess.run([sys.executable, __file__, "--serve", setup], capture_output=True, text=True, env=env,
-                           check=False)
-    for line in child.stdout.splitlines():
-        if line.startswith("@result "):
-            result = json.loads(line.removeprefix("@result "))
-            result["timed"] = {int(n): v for n, v in result["timed"].items()}
-            return result
-    raise RuntimeError(f"configuration {config} failed:\n{child.stderr[-6000:]}")
+    result = run_child(__file__, setup, env, f"configuration {config}")
+    result["timed"] = {int(n): v for n, v in result["timed"].items()}
+    return result
 
 
 def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:

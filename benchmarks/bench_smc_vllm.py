@@ -49,7 +49,6 @@ import json
 import os
 import pstats
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, summarise, write_json  # noqa: E402
+from benchmarks.common import print_table, report, run_child, summarise, write_json  # noqa: E402
 from benchmarks.models import parse_opts, vocab_size, workload_model  # noqa: E402
 
 WORKLOADS = ("w1", "w5")
@@ -207,19 +206,14 @@ def in_child(role: str, model_dir: Path, engine_opts: dict, prompt: list[int], a
              path: str | None = None) -> dict:
     """Runs ``role`` ("floor" or "peer") alone in a child process (one engine with CUDA graphs
     a process); ``path`` goes first on its module path."""
-    setup = json.dumps({"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
-                        "argv": sys.argv[1:]})
+    setup = {"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt, "argv": sys.argv[1:]}
     env = dict(os.environ)
     if role == "floor":  # its engine core in that process, as ours is in this one
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if path:
         env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-    child = subprocess.run([sys.executable, __file__, "--serve", setup], capture_output=True, text=True, env=env)
-    for line in child.stdout.splitlines():
-        if line.startswith("@result "):
-            result = json.loads(line.removeprefix("@result "))
-            return {w: {int(n): v for n, v in r.items()} for w, r in result.items()}
-    raise RuntimeError(f"the {role}'s process failed:\n{child.stderr[-4000:]}")
+    result = run_child(__file__, setup, env, f"the {role}'s process")
+    return {w: {int(n): v for n, v in r.items()} for w, r in result.items()}
 
 
 def serve(setup: str) -> None:
@@ -237,7 +231,7 @@ def serve(setup: str) -> None:
         lm = PeerLM.from_name(setup["model"], engine_opts=setup["opts"])
         lm.vocab_size = len(lm.byte_vocab)
         out = {w: time_backend(lm, setup["prompt"], args, w) for w in args.workloads}
-    print("@result", json.dumps(out), flush=True)
+    report(out)
 
 
 def table(floor: dict, ours: dict, peer: dict | None, args: argparse.Namespace) -> dict[str, list[dict]]:

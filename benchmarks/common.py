@@ -1,4 +1,5 @@
-"""Shared measuring helpers of the benchmark scripts: repeat, summarise, write JSON.
+"""Shared measuring helpers of the benchmark scripts: repeat, summarise, write JSON, and run
+one configuration in a child process of its own.
 
 Every workload warms up once, repeats, and reports the median with min and max. Ratios are
 taken against a floor measured in the same run; absolute times are never compared across
@@ -11,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -71,6 +73,30 @@ def write_json(name: str, payload: dict[str, Any], out_dir: Path | None = None) 
     payload = {"workload": name, "machine": machine_info(), **payload}
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
+
+
+# The line a child process prints its result on (see run_child and report).
+RESULT_MARK = "@result "
+
+
+def run_child(script: str, setup: dict[str, Any], env: dict[str, str], what: str) -> dict[str, Any]:
+    """Runs ``python script --serve SETUP`` (``setup`` as JSON) with ``env`` and returns the
+    result it printed with :func:`report`.
+
+    Raises:
+        RuntimeError: the child printed no result (``what`` names it), with its stderr's tail.
+    """
+    child = subprocess.run([sys.executable, script, "--serve", json.dumps(setup)], capture_output=True, text=True,
+                           env=env, check=False)
+    for line in child.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line.removeprefix(RESULT_MARK))
+    raise RuntimeError(f"{what} failed (exit {child.returncode}):\n{child.stderr[-6000:]}")
+
+
+def report(result: dict[str, Any], **dumps: Any) -> None:
+    """In a child process of :func:`run_child`: prints ``result`` for its parent."""
+    print(RESULT_MARK + json.dumps(result, **dumps), flush=True)
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
