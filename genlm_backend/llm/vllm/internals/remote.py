@@ -100,7 +100,7 @@ def install_remote_capture(llm: Any, on_rows: Callable[[Any, Any], dict | None])
             ring.lag = lag
         except (RuntimeError, OSError):  # the worker is on another host: rows travel as arrays
             llm.collective_rpc(_drop_ring)
-    remote = RemoteCapture(ring, found["final_rows"], early and found["early"])
+    remote = RemoteCapture(ring, found["final_rows"], early)
     if early:
         _hand_over_before_sampling(executor, lambda parts: on_rows(parts, remote.ring))
     else:
@@ -188,8 +188,8 @@ def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int,
     """In a worker process (through ``collective_rpc``): every rank forces the tokens that
     come with ``sample_tokens``; the output rank also gathers rows for the engine's process,
     into a row ring it shares, and replies with them (``early``: to ``execute_model``, else
-    with the step's output). Returns the ring's handle and what the rank can do (False on the
-    other ranks)."""
+    with the step's output). Returns the ring's handle and whether the rank tells partial
+    prefills (False on the other ranks, and where the rows cannot be gathered as asked)."""
     from .. import capture
     from ..forcing import ForcedSampling
 
@@ -220,8 +220,7 @@ def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int,
     if remote is None:
         remote = _gather_in(worker, runner, max_rows, depth, lag, width, early)
     ring = remote.ring
-    return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None,
-            "early": remote.early}
+    return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None}
 
 
 def _drop_ring(worker: Any) -> None:
