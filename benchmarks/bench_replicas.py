@@ -35,9 +35,12 @@ import asyncio
 import json
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for `benchmarks.common`
 
@@ -88,7 +91,23 @@ async def check_rows(lm: Any, prompt: list[int], n: int = 16) -> dict:
         own = await asyncio.gather(*(replica.next_token_logprobs(c) for c in contexts))
         out[f"replica{i}_own_devices"] = sorted({str(r.device) for r in own})
         out[f"replica{i}_max_diff"] = max(float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(rows, own))
+        try:
+            out[f"replica{i}_workers"] = replica.llm.collective_rpc(_worker_device)
+        except Exception as exc:  # noqa: BLE001 - a fact to report, not to fail on
+            out[f"replica{i}_workers"] = repr(exc)[:200]
+    if torch.cuda.is_available():
+        out["device_uuids_here"] = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        query = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader"]
+        out["gpu_processes"] = subprocess.run(query, capture_output=True, text=True).stdout.splitlines()
     return out
+
+
+def _worker_device(worker: Any) -> dict:
+    """In a worker process: where its model runs (the placement a replica was given)."""
+    device = getattr(worker, "device", None)
+    on_gpu = device is not None and device.type == "cuda"
+    return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": str(device),
+            "uuid": str(torch.cuda.get_device_properties(device).uuid) if on_gpu else None}
 
 
 def in_child(config: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace) -> dict:

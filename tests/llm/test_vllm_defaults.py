@@ -246,6 +246,42 @@ def test_engine_devices_are_what_the_builds_of_one_thread_see(monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
+def test_a_build_on_chosen_devices_leaves_this_process_counting_every_gpu(monkeypatch):
+    """The GPUs this process sees are the caller's, whatever a replica's build chose.
+
+    torch fixes the visible devices when CUDA starts, and counts them apart: through NVML,
+    from ``CUDA_VISIBLE_DEVICES`` as it is at the first count after CUDA started, then kept.
+    A first count inside a build (vLLM counts devices as it builds) made this process see
+    that build's GPUs only, for good: on two H100s the second replica's rows were then mapped
+    onto GPU 0. Modelled here on torch's rules (``torch.cuda.device_count``), without a GPU."""
+    import torch
+
+    from genlm_backend.llm.vllm.startup import engine_devices, engine_environment
+
+    state = {"started": False, "count": None}
+
+    def init():
+        state["started"] = True
+
+    def device_count():
+        if state["count"] is not None:
+            return state["count"]
+        count = len(os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(","))
+        if state["started"]:  # kept only once CUDA started, as torch does
+            state["count"] = count
+        return count
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", init)
+    monkeypatch.setattr(torch.cuda, "device_count", device_count)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for replica in ([0], [1]):
+        with engine_devices(replica), engine_environment({"distributed_executor_backend": "mp"}, can_capture=True):
+            assert torch.cuda.device_count() in (1, 2)  # what the build sees of this process
+    assert state["started"]
+    assert torch.cuda.device_count() == 2
+
+
 async def test_batch_size_bounds_every_log_probability_batch(vllm_lm, hf_reference):
     """``batch_size`` below ``max_num_seqs`` (8 here): batches of at most ``batch_size``
     distinct prompts, also while sessions continue contexts from one batch to the next."""

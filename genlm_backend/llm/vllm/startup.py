@@ -142,11 +142,15 @@ def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
 def _start_cuda_here() -> None:
     """Initialises CUDA in this process, where there is CUDA: it reads
     ``CUDA_VISIBLE_DEVICES`` then, once, so a value set later for a build reaches only the
-    processes that the build starts."""
+    processes that the build starts. torch counts the devices apart, from the variable as it
+    is at the first count after that (through NVML), and keeps that count: it is counted here
+    too, or a count taken during a build would leave this process seeing that build's GPUs
+    only (the rows of another replica's GPU would then be mapped onto the wrong device)."""
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.init()
+        torch.cuda.device_count()
 
 
 def cpu_kv_cache_bytes(model_name: str, chosen: dict, available: int | None = None) -> int | None:
