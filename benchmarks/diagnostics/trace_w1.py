@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `b
 from benchmarks.diagnostics._w1 import UserSampler, parse, run_floor, run_ours, start
 
 EVENTS: list[tuple[str, int, bool]] = []  # (point, ns, on the engine thread)
+SCHEDULED: list[tuple[int, int, int]] = []  # per engine step: (ns at its schedule, tokens, new requests)
 _LOOP_THREAD = threading.main_thread()
 
 
@@ -64,6 +65,7 @@ def install() -> None:
     from genlm_backend.llm import base, vllm
     from genlm_backend.llm.vllm import capture as vllm_capture
     from genlm_backend.llm.vllm import engine as vllm_engine
+    from genlm_backend.llm.vllm import remote_rows
     from genlm_backend.llm.vllm import sessions as vllm_sessions
 
     wrap(vllm_capture.LogprobsCaptureProcessor, "apply", "apply", "apply_end")
@@ -79,6 +81,7 @@ def install() -> None:
     wrap(_batch_queue.LoopQueue, "start", "batch_start", None)
     wrap(_batch_queue.LoopQueue, "finish", "resolve", "resolved")
     wrap(base.AsyncLM, "next_token_logprobs", "request", None)
+    wrap(remote_rows, "deliver_remote", "remote_rows", "remote_rows_end")  # rows from a worker process
 
 
 def install_engine(engine: object) -> None:
@@ -87,6 +90,16 @@ def install_engine(engine: object) -> None:
 
     wrap(engine, "step", "step", "step_end")
     core = getattr(engine.engine_core, "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is not None:
+        schedule = scheduler.schedule
+
+        def counted(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            SCHEDULED.append((time.perf_counter_ns(), out.total_num_scheduled_tokens, len(out.scheduled_new_reqs)))
+            return out
+
+        scheduler.schedule = counted
     runner = internals.engine._model_runner(engine)
     for owner, name in ((getattr(core, "scheduler", None), "schedule"), (runner, "execute_model"),
                         (runner, "sample_tokens"), (getattr(runner, "sampler", None), "forward"),
@@ -94,10 +107,14 @@ def install_engine(engine: object) -> None:
                         (engine.output_processor, "process_outputs")):
         if owner is not None and hasattr(owner, name):
             wrap(owner, name, name, f"{name}_end")
+    executor = getattr(core, "model_executor", None)
+    if runner is None and executor is not None:  # the model runs in worker processes: the calls to them
+        for name in ("execute_model", "sample_tokens"):
+            wrap(executor, name, f"executor.{name}", f"executor.{name}_end")
 
 
-def step_intervals(events: list[tuple[str, int, bool]]) -> dict[str, float]:
-    """Median microseconds between consecutive points, over steps (a step starts at ``apply``)."""
+def step_intervals(events: list[tuple[str, int, bool]]) -> dict[str, tuple[float, float]]:
+    """Median and mean microseconds between consecutive points, over steps. The mean counts the rare slow steps (W5's forks) that the median hides."""
     gaps: dict[str, list[float]] = {}
     previous = None
     for point, ns, _ in events:
@@ -105,7 +122,22 @@ def step_intervals(events: list[tuple[str, int, bool]]) -> dict[str, float]:
             key = f"{previous[0]} -> {point}"
             gaps.setdefault(key, []).append((ns - previous[1]) / 1e3)
         previous = (point, ns)
-    return {k: statistics.median(v) for k, v in gaps.items() if len(v) >= 8}
+    return {k: (statistics.median(v), statistics.fmean(v)) for k, v in gaps.items() if len(v) >= 8}
+
+
+def step_kinds(steps: list[tuple[int, int, int]]) -> str:
+    """Engine steps with and without new requests (W5's forks): how many, their scheduled
+    tokens and the mean time from one schedule to the next."""
+    kinds: dict[bool, list[tuple[float, int]]] = {False: [], True: []}
+    for (ns, tokens, new), (next_ns, _, _) in zip(steps, steps[1:]):
+        kinds[new > 0].append(((next_ns - ns) / 1e3, tokens))
+    parts = []
+    for has_new, label in ((False, "steps without new requests"), (True, "with new requests")):
+        entries = kinds[has_new]
+        if entries:
+            parts.append(f"{label}: {len(entries)}, mean {statistics.fmean(e[0] for e in entries):.0f} us, "
+                         f"tokens median {statistics.median(e[1] for e in entries):.0f} max {max(e[1] for e in entries)}")
+    return "; ".join(parts)
 
 
 def main() -> None:
@@ -118,10 +150,11 @@ def main() -> None:
             ours, floors = [], []
             for _ in range(args.repeats):
                 EVENTS.clear()
+                SCHEDULED.clear()
                 start_s = time.perf_counter()
                 run_ours(lm, prompt, n, args, workload)
                 ours.append(time.perf_counter() - start_s)
-                run_events = list(EVENTS)
+                run_events, run_steps = list(EVENTS), list(SCHEDULED)
                 EVENTS.clear()
                 start_s = time.perf_counter()
                 run_floor(lm, prompt, n, args)
@@ -133,12 +166,18 @@ def main() -> None:
                   f"{statistics.median(floors) * 1e3:.1f} ms, ratio {statistics.median(ours) / statistics.median(floors):.3f}; "
                   f"floor step {floor_step:.0f} us")
             starts = [ns for point, ns, _ in run_events if point == "apply"]
-            print(f"  our step (apply to apply): {statistics.median((b - a) / 1e3 for a, b in zip(starts, starts[1:])):.0f} us")
-            for key, us in step_intervals(run_events).items():
-                print(f"  {us:9.1f} us  {key}")
+            if len(starts) < 2:  # the capture runs in a worker process
+                starts = [ns for point, ns, _ in run_events if point == "step"]
+            spans = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
+            print(f"  our step (capture to capture): median {statistics.median(spans):.0f} us, mean "
+                  f"{statistics.fmean(spans):.0f} us, {len(spans) + 1} steps")
+            print(f"  {step_kinds(run_steps)}")
+            print("     median       mean")
+            for key, (median, mean) in step_intervals(run_events).items():
+                print(f"  {median:9.1f} {mean:9.1f} us  {key}")
             print("  the floor:")
-            for key, us in step_intervals(floor_events).items():
-                print(f"  {us:9.1f} us  {key}")
+            for key, (median, mean) in step_intervals(floor_events).items():
+                print(f"  {median:9.1f} {mean:9.1f} us  {key}")
     lm.cleanup()
 
 
