@@ -150,6 +150,36 @@ async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_referenc
     assert sessions(vlm)["num_extended"] - extended == 3
 
 
+async def test_new_sessions_are_built_on_an_earlier_sessions_request(vlm, hf_reference, monkeypatch):
+    """vLLM's input processing (prompt rendering, parameter checks; most of the cost of a
+    fork after resampling) runs for a backend's first session of an adapter only: later new
+    sessions copy that session's engine request, with their own id and context."""
+    engine = vlm.llm.llm_engine
+    processed = []
+    original = engine.input_processor.process_inputs
+
+    def counted(request_id, *args, **kwargs):
+        processed.append(request_id)
+        return original(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine.input_processor, "process_inputs", counted)
+    opened = sessions(vlm)["num_opened"]
+    parent = prompts_of([14], seed=44)[0]
+    await vlm.next_token_logprobs(parent)
+    children = [parent + [t] for t in (11, 22, 33, 44)]  # resampled particles, each its own token
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in children))
+    for child, row in zip(children, rows):
+        assert_matches(row, hf_reference("base", child))
+    grandchildren = [c + [5] for c in children]
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in grandchildren))
+    for context, row in zip(grandchildren, rows):
+        assert_matches(row, hf_reference("base", context))
+    assert sessions(vlm)["num_opened"] - opened >= 4  # the parent's and three forks
+    assert len(processed) <= 1  # this engine's first session, if no test opened one before
+    live = [s.request_id for s in vlm._sessions._sessions.values()]
+    assert len(live) == len(set(live))
+
+
 async def test_sessions_are_bounded_and_evicted_least_recently_used_first(vlm, hf_reference):
     vlm.set_sessions(3)
     contexts = prompts_of([5, 6, 7, 8, 9], seed=32)

@@ -51,6 +51,7 @@ class EngineJob:
     batch: Any = None
     index: int = 0
     deliver: Callable[[Any], None] | None = None
+    family: Any = None  # jobs of one family differ only in extra_args (new sessions share a template)
     result: Any = field(default=_PENDING, repr=False)
 
     def unstream(self) -> None:
@@ -129,6 +130,7 @@ class EngineRunner:
         self.in_step = False
         self._deferred_aborts: list[str] = []
         self._batch: RowBatch | None = None
+        self._session_templates: dict = {}  # (job family -> template; internals.open_session)
 
     def run(self, jobs: Sequence[EngineJob], batch: RowBatch | None = None, continued: Any = None) -> list[Any]:
         """Runs ``jobs``; returns one result or exception instance per job, in order.
@@ -215,6 +217,9 @@ class EngineRunner:
                 try:
                     if job.stream_id is None:
                         internals.add_request(engine, request_id, job.prompt, job.params, job.lora_request)
+                    elif job.stream_request is None and job.family is not None:
+                        job.stream_request = internals.open_session(engine, self._session_templates, job.family,
+                                                                    request_id, job.prompt, job.params, job.lora_request)
                     else:
                         job.stream_request = internals.add_session_chunk(
                             engine, request_id, job.prompt, job.params, job.lora_request, job.stream_request

@@ -53,8 +53,9 @@ class LogprobsMixin:
                             batch, i)
         else:
             session = entry.session
+            family = self._held_params if self._holds else self._plain_params
             job = EngineJob(entry.tokens, params, None, lora_request, session.request_id, request.token_ids,
-                            session.engine_request, tag, batch, i)
+                            session.engine_request, tag, batch, i, family=id(family))
             self._sessions.bind(entry, job, tag)
         if sink.final_in_step and (entry is None or not self._holds):
             sink.expect(tag, job.finish)  # held sessions take their rows themselves

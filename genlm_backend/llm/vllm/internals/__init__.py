@@ -108,6 +108,7 @@ from .sessions import (
     install_chunk_max_tokens,
     install_cpu_generator_rewind,
     install_forced_sampling,
+    open_session,
     park,
     supports_sessions,
 )
@@ -131,6 +132,7 @@ __all__ = [
     "is_stalled",
     "lora_refusal",
     "model_module",
+    "open_session",
     "output_done",
     "park",
     "prefer_spawned_workers",

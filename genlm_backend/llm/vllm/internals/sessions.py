@@ -172,8 +172,25 @@ def supports_sessions(engine: Any) -> bool:
     )
 
 
+def open_session(engine: Any, templates: dict, key: Any, request_id: str, tokens: Any, params: Any,
+                 lora_request: Any) -> Any:
+    """Adds the first chunk of a new session (:func:`add_session_chunk`) from the template
+    that ``templates`` keeps for ``key`` (the first chunk of an earlier session whose
+    parameters differ from ``params`` only in ``extra_args``: the caller's promise for equal
+    keys) with the same adapter request; the chunk added becomes the template where there
+    was none."""
+    key = (key, id(lora_request))  # (the entry keeps its adapter request: the id stays its own)
+    known = templates.get(key)
+    template = known[1] if known is not None and known[0] is lora_request else None
+    request = add_session_chunk(engine, request_id, tokens, params, lora_request, template=template)
+    if template is None:
+        templates[key] = (lora_request, request)
+    return request
+
+
 def add_session_chunk(
-    engine: Any, request_id: str, tokens: Any, params: Any, lora_request: Any, previous: Any = None
+    engine: Any, request_id: str, tokens: Any, params: Any, lora_request: Any, previous: Any = None,
+    template: Any = None,
 ) -> Any:
     """Opens (first call for ``request_id``) or extends a streaming-input session; returns the
     engine request it added, to be passed back as ``previous`` with the session's next chunk.
@@ -202,21 +219,27 @@ def add_session_chunk(
     ``extra_args``, instead of a second pass through ``process_inputs``: that pass (prompt
     rendering, parameter validation, generation-config defaults) is most of the cost of a
     one-token chunk and gives the same result for parameters that differ only in
-    ``extra_args``, which is the caller's promise.
+    ``extra_args``, which is the caller's promise. A new session's first chunk does the same
+    from ``template`` (the request this returned for another session's first chunk, with the
+    same adapter request and parameters), under its own id: the prompt checks of that pass
+    (ids inside the model's vocabulary, length below ``max_model_len``) are the caller's, as
+    they are for every prompt that reaches the engine from the backend.
     """
     # FINAL_ONLY: no RequestOutput for every step of a held session, one when a chunk ends.
     # (``AsyncLLM`` refuses it for streaming input because its generator yields per chunk;
     # the output processor itself marks a chunk's end output ``finished=False`` either way.)
     params.output_kind = RequestOutputKind.FINAL_ONLY
-    if previous is None:
+    base = previous if previous is not None else template
+    if base is None:
         request = engine.input_processor.process_inputs(
             request_id, TokensPrompt(prompt_token_ids=list(tokens)), params,
             supported_tasks=engine.get_supported_tasks(), lora_request=lora_request, resumable=True,
         )
     else:
-        sampling_params = copy.copy(previous.sampling_params)
+        sampling_params = copy.copy(base.sampling_params)
         sampling_params.extra_args = params.extra_args
-        request = copy.copy(previous)
+        request = copy.copy(base)
+        request.request_id = request_id
         request.prompt_token_ids = list(tokens)
         request.sampling_params = sampling_params
         request.arrival_time = time.time()
