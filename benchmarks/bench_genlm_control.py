@@ -60,7 +60,6 @@ import cProfile
 import json
 import os
 import pstats
-import random
 import shutil
 import subprocess
 import sys
@@ -74,7 +73,7 @@ sys.path.insert(0, str(REPO))  # the repo, for `benchmarks.common`
 
 from benchmarks.bench_smc_vllm import time_floor
 from benchmarks.common import print_table, report, run_child, summarise, write_json
-from benchmarks.models import parse_opts, vocab_size, workload_model
+from benchmarks.models import workload
 
 CONFIGS = ("floor", "ours", "peer")
 CONSUMER_DISTS = ("genlm-control", "genlm-grammar", "genlm-bytes", "arsenal")
@@ -415,11 +414,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if not (Path(args.consumer_site) / "genlm" / "control").is_dir():
         sys.exit(f"no genlm-control under --consumer-site {args.consumer_site} (see benchmarks/README.md, W6)")
-    model_dir, engine_opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir)
-    engine_opts.update(parse_opts(args.engine_opt))
+    model_dir, engine_opts, prompt = workload(args)  # W1's model and prompt
     model_dir = with_eos(model_dir, args.eos_token)
-    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
-    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]  # W1's prompt
     roles = [r for r in CONFIGS if r != "peer" or args.peer]
     results, errors = {}, {}
     for role in roles:

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for
 
 from benchmarks.bench_smc_vllm import time_backend
 from benchmarks.common import print_table, report, run_child, write_json
-from benchmarks.models import parse_opts, vocab_size, workload_model
+from benchmarks.models import workload
 
 
 def build(config: str, model_dir: Path, engine_opts: dict) -> Any:
@@ -161,10 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.serve:
         serve(args.serve)
         return {}
-    model_dir, engine_opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir)
-    engine_opts.update(parse_opts(args.engine_opt))
-    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
-    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    model_dir, engine_opts, prompt = workload(args)
     results = {}
     for config in args.configs:
         results[config] = in_child(config, model_dir, engine_opts, prompt, args)

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for
 import torch  # noqa: E402
 
 from benchmarks.common import print_table, report, run_child, summarise, write_json  # noqa: E402
-from benchmarks.models import parse_opts, vocab_size, workload_model  # noqa: E402
+from benchmarks.models import workload  # noqa: E402
 
 WORKLOADS = ("w1", "w5")
 RESAMPLE_EVERY = 4
@@ -283,10 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.serve:
         serve(args.serve)
         return {}
-    model_dir, engine_opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir)
-    engine_opts.update(parse_opts(args.engine_opt))
-    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
-    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    model_dir, engine_opts, prompt = workload(args)
     floor = in_child("floor", model_dir, engine_opts, prompt, args)  # each engine alone on the machine
     ours = run_ours(model_dir, engine_opts, prompt, args)
     peer = in_child("peer", model_dir, engine_opts, prompt, args, args.peer) if args.peer else None

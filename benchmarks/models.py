@@ -15,7 +15,9 @@ reuses it, so the first run of a configuration pays for building it.
 
 from __future__ import annotations
 
+import argparse
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +90,14 @@ def parse_opts(items: list[str]) -> dict[str, Any]:
 
 def vocab_size(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+def workload(args: argparse.Namespace, micro: bool = False) -> tuple[Path, dict[str, Any], list[int]]:
+    """What a W1-shaped script runs on, from its flags (``gpu``, ``model_dir``,
+    ``tokenizer_dir``, ``engine_opt``, ``seed``, ``prompt_len``): the model folder, the
+    engine options with ``--engine-opt`` applied, and W1's prompt (seeded random ids above
+    the tokenizer's special tokens)."""
+    model_dir, opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir, micro=micro)
+    opts.update(parse_opts(args.engine_opt))
+    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
+    return model_dir, opts, [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]

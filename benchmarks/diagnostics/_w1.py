@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
 
 from benchmarks.bench_smc_vllm import UserSampler, parse_args, smc
-from benchmarks.models import parse_opts, vocab_size, workload_model
+from benchmarks.models import workload
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -35,10 +34,7 @@ def start(args: argparse.Namespace, before_model: Callable[[], None] = lambda: N
     ``before_model`` runs first (wrappers installed then reach the backend's batchers)."""
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
-    model_dir, opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir, micro=args.micro)
-    opts.update(parse_opts(args.engine_opt))
-    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
-    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    model_dir, opts, prompt = workload(args, micro=args.micro)
     before_model()
     return AsyncVirtualLM.from_name(str(model_dir), engine_opts=opts), prompt
 

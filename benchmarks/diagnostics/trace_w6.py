@@ -12,7 +12,6 @@ engine steps with and without new requests (resampled particles' forks) differ.
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `b
 
 from benchmarks import bench_genlm_control as w6
 from benchmarks.diagnostics import trace_w1 as trace
-from benchmarks.models import parse_opts, vocab_size, workload_model
+from benchmarks.models import workload
 
 
 def install_consumer() -> None:
@@ -38,11 +37,8 @@ def install_consumer() -> None:
 
 def main() -> None:
     args = w6.parse_args(sys.argv[1:])
-    model_dir, opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir)
-    opts.update(parse_opts(args.engine_opt))
+    model_dir, opts, prompt = workload(args)
     model_dir = w6.with_eos(model_dir, args.eos_token)
-    rng, vocab = random.Random(args.seed), vocab_size(model_dir)
-    prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
     w6.load_consumer("ours", str(Path(args.consumer_site).resolve()))
     trace.install()
     install_consumer()
