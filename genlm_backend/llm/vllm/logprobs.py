@@ -46,16 +46,16 @@ class LogprobsMixin:
         sink = self._sink
         lora_request = self._lora_request(request.lora_name)
         tag = sink.next_tag() if sink.final_in_step else sink.new_tag()
-        params = copy.copy(self._held_params if entry is not None and self._holds else self._plain_params)
+        base = self._held_params if entry is not None and self._holds else self._plain_params
+        params = copy.copy(base)
         params.extra_args = sink.extra_args(tag)
         if entry is None:
             job = EngineJob(request.token_ids, params, None, lora_request, None, request.token_ids, None, tag,
                             batch, i)
         else:
             session = entry.session
-            family = self._held_params if self._holds else self._plain_params
             job = EngineJob(entry.tokens, params, None, lora_request, session.request_id, request.token_ids,
-                            session.engine_request, tag, batch, i, family=id(family))
+                            session.engine_request, tag, batch, i, family=id(base))
             self._sessions.bind(entry, job, tag)
         if sink.final_in_step and (entry is None or not self._holds):
             sink.expect(tag, job.finish)  # held sessions take their rows themselves
