@@ -84,6 +84,8 @@ async def check_rows(lm: Any, prompt: list[int], n: int = 16) -> dict:
     """After the timed runs: the devices the rows of n contexts came on, and (replicas) how
     far each row is from its replica's own row for the same context."""
     contexts = [[*prompt, 1000 + i] for i in range(n)]
+    from genlm_backend.llm.vllm.row_ring import device_uuid
+
     rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
     out: dict[str, Any] = {"row_devices": sorted({str(r.device) for r in rows})}
     for i, replica in enumerate(getattr(lm, "replicas", ())):
@@ -95,7 +97,7 @@ async def check_rows(lm: Any, prompt: list[int], n: int = 16) -> dict:
         except Exception as exc:  # noqa: BLE001 - a fact to report, not to fail on
             out[f"replica{i}_workers"] = repr(exc)[:200]
     if torch.cuda.is_available():
-        out["device_uuids_here"] = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        out["device_uuids_here"] = [device_uuid(i) for i in range(torch.cuda.device_count())]
         query = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader"]
         out["gpu_processes"] = subprocess.run(query, capture_output=True, text=True).stdout.splitlines()
     return out
@@ -103,10 +105,12 @@ async def check_rows(lm: Any, prompt: list[int], n: int = 16) -> dict:
 
 def _worker_device(worker: Any) -> dict:
     """In a worker process: where its model runs (the placement a replica was given)."""
+    from genlm_backend.llm.vllm.row_ring import device_uuid
+
     device = getattr(worker, "device", None)
     on_gpu = device is not None and device.type == "cuda"
     return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": str(device),
-            "uuid": str(torch.cuda.get_device_properties(device).uuid) if on_gpu else None}
+            "uuid": device_uuid(device) if on_gpu else None}
 
 
 def in_child(config: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace) -> dict:
