@@ -432,6 +432,28 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
     assert list(params)[1:] == ["session", "update"]
 
 
+def test_parked_sessions_wait_where_the_bypass_takes_them_from(vlm):
+    # install_parked_bypass relies on: parked requests in a deque of the scheduler's waiting
+    # queues with the WAITING_FOR_STREAMING_REQ status, counted by
+    # num_waiting_for_streaming_input. Parks one session and looks.
+    import asyncio
+    from collections import deque
+
+    from vllm.v1.request import RequestStatus
+
+    scheduler = vlm.llm.llm_engine.engine_core.engine_core.scheduler
+    assert scheduler._genlm_parked_bypass is True
+    vlm.close_sessions()
+    asyncio.run(vlm.next_token_logprobs([3, 5, 7, 11]))
+    vlm._engine_thread.submit(lambda: None).result()  # other engine work: the session parks
+    queues = {n: getattr(scheduler, n) for n in ("skipped_waiting", "kv_holding_waiting", "waiting")
+              if isinstance(getattr(scheduler, n, None), deque)}
+    parked = [(n, r) for n, q in queues.items() for r in q if r.status == RequestStatus.WAITING_FOR_STREAMING_REQ]
+    assert len(parked) == 1 and scheduler.num_waiting_for_streaming_input == 1, (list(queues), parked)
+    vlm.close_sessions()
+    assert scheduler.num_waiting_for_streaming_input == 0
+
+
 def test_prefer_v1_model_runner_sets_the_variable_unless_the_caller_did(monkeypatch):
     from genlm_backend.llm.vllm import internals
 

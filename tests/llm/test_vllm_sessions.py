@@ -133,6 +133,48 @@ async def test_a_resumed_session_is_held_as_long_as_a_new_one(vlm, hf_reference)
     assert after["num_opened"] == before["num_opened"]
 
 
+async def test_parked_sessions_stay_out_of_the_schedulers_walk(vlm, hf_reference, monkeypatch):
+    # vLLM's schedule() pops every parked session from its waiting queue, finds it blocked
+    # and puts it back, every step (1 ms a step for W5's 220 parked sessions at N=256 on the
+    # H200 host). With the bypass it never looks at them, and they still resume where they
+    # were.
+    from vllm.v1.request import RequestStatus
+
+    from genlm_backend.llm.vllm.internals.engine import _scheduler
+
+    scheduler = _scheduler(vlm.llm.llm_engine)
+    assert getattr(scheduler, "_genlm_parked_bypass", False)
+    name = next((n for n in ("_handle_blocked_waiting_request", "_try_promote_blocked_waiting_request")
+                 if hasattr(scheduler, n)), None)
+    assert name is not None, "vLLM's scheduler has neither blocked-request check this test counts through"
+    looked_at = []
+    check = getattr(scheduler, name)
+
+    def counted(request, *args, **kwargs):
+        if request.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            looked_at.append(request.request_id)
+        return check(request, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, name, counted)
+    vlm.close_sessions()
+    parked = prompts_of([5, 9, 14], seed=61)
+    await asyncio.gather(*(vlm.next_token_logprobs(c) for c in parked))
+    park_sessions(vlm)
+    assert scheduler.num_waiting_for_streaming_input == 3
+    final, rows = await lockstep(vlm, prompts_of([6, 11], seed=62), 4)
+    for context, row in zip(final, rows):
+        assert_matches(row, hf_reference("base", context))
+    assert looked_at == []
+    assert scheduler.num_waiting_for_streaming_input == 3  # still parked, still counted
+    resumed = [c + [23] for c in parked]
+    before = sessions(vlm)
+    rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in resumed))
+    for context, row in zip(resumed, rows):
+        assert_matches(row, hf_reference("base", context))
+    assert sessions(vlm)["num_extended"] - before["num_extended"] == 3  # resumed, not reopened
+    assert sessions(vlm)["num_opened"] == before["num_opened"]
+
+
 async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_reference):
     parent = prompts_of([12], seed=31)[0]
     await vlm.next_token_logprobs(parent)

@@ -169,6 +169,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         engine = llm.llm_engine
         self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs) - 1
         internals.install_chunk_max_tokens(engine)  # a resumed session is held again
+        internals.install_parked_bypass(engine)  # parked sessions cost no scheduler time
         internals.install_cpu_generator_rewind(engine)  # seeded prompts split over steps
         # Rows go to their callers inside the step that computes them where vLLM tells
         # which rows are final; sessions are then held between steps (async scheduling off).
