@@ -21,11 +21,12 @@ What is relied on:
   with the chunk's ``SamplingParams``; the scheduler's ``_update_request_as_session`` applies
   a chunk to a parked session (0.26 leaves out the chunk's ``max_tokens``, which
   :func:`install_chunk_max_tokens` adds). The scheduler object is read for stall detection
-  (:func:`is_stalled`). A parked session waits, with the status ``WAITING_FOR_STREAMING_REQ``,
-  in one of the scheduler's first-come first-served waiting queues (``deque`` attributes
+  (:func:`is_stalled`). Without these, :func:`supports_sessions` is False and sessions are
+  off. A parked session waits, with the status ``WAITING_FOR_STREAMING_REQ``, in one of the
+  scheduler's first-come first-served waiting queues (``deque`` attributes
   ``skipped_waiting``, ``kv_holding_waiting`` or ``waiting``) that ``schedule()`` walks and
   skips it in, counting it through ``num_waiting_for_streaming_input``
-  (:func:`install_parked_bypass` takes it out of the walk). Without these, :func:`supports_sessions` is False and sessions are off.
+  (:func:`install_parked_bypass` takes it out of the walk; without these it is not installed).
 * Holding sessions between steps: the in-process engine runs the sampler, and so the
   capture processor's ``apply``, on the thread that calls ``LLMEngine.step``
   (``UniProcExecutor`` runs the worker inline), so ``apply`` may wait for the next batch;
@@ -131,8 +132,8 @@ __all__ = [
     "install_cpu_generator_rewind",
     "install_forced_sampling",
     "install_listed_rows",
-    "install_parked_bypass",
     "install_lora_base_rows",
+    "install_parked_bypass",
     "install_remote_capture",
     "is_cuda_oom",
     "is_stalled",
