@@ -7,10 +7,10 @@ each in a process of its own, one after the other (the machine to itself):
 
 - ``1``: ``AsyncVirtualLM.from_name(model, engine_opts=OPTS)``, the default single engine
   (its model in this process, on the first GPU);
-- ``1mp``: ``ReplicatedLM`` over one such engine whose model runs in a worker process
-  (``distributed_executor_backend="mp"``): what one replica costs;
+- ``1p``: ``ReplicatedLM`` over one such engine in a process of its own
+  (:class:`~genlm_backend.llm.replicas.process.ProcessReplica`): what the process costs;
 - ``2`` (``k``): ``ReplicatedLM.from_name(model, replicas=k, engine_opts=OPTS)``: k engines,
-  each on its own GPU, its model in a worker process.
+  each in a process of its own on its own GPU.
 
 Per configuration: one warm-up run, then ``--repeats`` runs, interleaved over N; medians
 with min/max. ``throughput`` = N * T / wall (particle-steps per second); ``speedup`` =
@@ -20,9 +20,9 @@ N=512 on 2 GPUs at least 1.8x the throughput of one.
 GPU (the 1.2B bf16 Llama of W1 with the 131k tekken vocabulary; ``prepare_gpu_assets.py``
 first; two GPUs)::
 
-    VLLM_WORKER_MULTIPROC_METHOD=spawn python benchmarks/bench_replicas.py --gpu --tokenizer-dir .gpu_assets/tekken
+    python benchmarks/bench_replicas.py --gpu --tokenizer-dir .gpu_assets/tekken --configs 1 1p 2
 
-CPU (the tiny fp32 Llama; two worker processes share the machine's cores, so the figures
+CPU (the tiny fp32 Llama; the replicas' processes share the machine's cores, so the figures
 only show that it runs)::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_replicas.py --particles 16
@@ -49,15 +49,16 @@ from benchmarks.models import workload
 
 
 def build(config: str, model_dir: Path, engine_opts: dict) -> Any:
-    """The model of one configuration (``1``, ``1mp`` or a number of replicas)."""
+    """The model of one configuration (``1``, ``1p`` or a number of replicas)."""
     from genlm_backend.llm import ReplicatedLM
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     if config == "1":
         return AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts)
-    if config == "1mp":
-        return ReplicatedLM.from_name(str(model_dir), replicas=1,
-                                      engine_opts={**engine_opts, "distributed_executor_backend": "mp"})
+    if config == "1p":
+        from genlm_backend.llm.replicas.process import start_replicas
+
+        return ReplicatedLM(start_replicas("vllm", str(model_dir), {"engine_opts": engine_opts}, [None]))
     return ReplicatedLM.from_name(str(model_dir), replicas=int(config), engine_opts=engine_opts)
 
 
@@ -72,7 +73,7 @@ def serve(setup: str) -> None:
         stats = lm.stats()
         routing = stats.get("routing")
         if "replicas" in stats:
-            stats = {"routing": routing, "sessions": [r.get("sessions") for r in stats["replicas"]]}
+            stats = {"routing": routing, "sessions": [r.get("process", r).get("sessions") for r in stats["replicas"]]}
         else:
             stats = {"sessions": stats.get("sessions"), "engine": stats.get("engine")}
     finally:
@@ -84,7 +85,7 @@ async def check_rows(lm: Any, prompt: list[int], n: int = 16) -> dict:
     """After the timed runs: the devices the rows of n contexts came on, and (replicas) how
     far each row is from its replica's own row for the same context."""
     contexts = [[*prompt, 1000 + i] for i in range(n)]
-    from genlm_backend.llm.vllm.row_ring import device_uuid
+    from genlm_backend.llm.row_ring import device_uuid
 
     rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
     out: dict[str, Any] = {"row_devices": sorted({str(r.device) for r in rows})}
@@ -92,25 +93,12 @@ async def check_rows(lm: Any, prompt: list[int], n: int = 16) -> dict:
         own = await asyncio.gather(*(replica.next_token_logprobs(c) for c in contexts))
         out[f"replica{i}_own_devices"] = sorted({str(r.device) for r in own})
         out[f"replica{i}_max_diff"] = max(float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(rows, own))
-        try:
-            out[f"replica{i}_workers"] = replica.llm.collective_rpc(_worker_device)
-        except Exception as exc:  # noqa: BLE001 - a fact to report, not to fail on
-            out[f"replica{i}_workers"] = repr(exc)[:200]
+        out[f"replica{i}_pid"] = getattr(replica, "pid", os.getpid())
     if torch.cuda.is_available():
         out["device_uuids_here"] = [device_uuid(i) for i in range(torch.cuda.device_count())]
         query = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader"]
         out["gpu_processes"] = subprocess.run(query, capture_output=True, text=True).stdout.splitlines()
     return out
-
-
-def _worker_device(worker: Any) -> dict:
-    """In a worker process: where its model runs (the placement a replica was given)."""
-    from genlm_backend.llm.vllm.row_ring import device_uuid
-
-    device = getattr(worker, "device", None)
-    on_gpu = device is not None and device.type == "cuda"
-    return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": str(device),
-            "uuid": device_uuid(device) if on_gpu else None}
 
 
 def in_child(config: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace) -> dict:
@@ -127,8 +115,10 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     for n in args.particles:
         base = results[args.configs[0]]["timed"][n]["wall"]["median_s"]
         for config in args.configs:
-            wall = results[config]["timed"][n]["wall"]
+            timed = results[config]["timed"][n]
+            wall = timed["wall"]
             rows.append({"config": config, "N": n, "T": args.steps, "wall_s": wall["median_s"],
+                         "sample_s": timed["sample_s"],
                          "wall_min_s": wall["min_s"], "wall_max_s": wall["max_s"],
                          "throughput": n * args.steps / wall["median_s"], "speedup": base / wall["median_s"]})
     return rows
@@ -140,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)")
     parser.add_argument("--model-dir", default=None, help="where the random model is built (reused if present)")
     parser.add_argument("--configs", nargs="+", default=["1", "2"],
-                        help="'1' (one engine), '1mp' (one replica, model in a worker), or k replicas; "
+                        help="'1' (one engine), '1p' (one engine in a process of its own), or k replicas; "
                              "the first is the baseline")
     parser.add_argument("--particles", type=int, nargs="+", default=None, help="default: 512 on GPU, 16 on CPU")
     parser.add_argument("--steps", type=int, default=None, help="T (default: 32 on GPU, 8 on CPU)")

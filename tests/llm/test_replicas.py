@@ -4,9 +4,10 @@ Most tests run on mock replicas whose rows are their own: each salts the mock's 
 rows with its name, so a row that came from another replica than the one that evaluated its
 request, or went to another request, differs. The reference of every row is then the
 replica's own ``logprobs_of`` (a direct computation, no batching), compared exactly. The
-vLLM tests run two replicas of the tiny model, each an engine whose model runs in a worker
-process, against a plain transformers forward pass (``ROW_ATOL``, as in ``test_vllm.py``)
-and against each replica's own rows (identical on CPU: same kernels, same weights).
+vLLM tests run two replicas of the tiny model, each an engine in a process of its own
+(``test_replica_processes.py`` tests that route on mock replicas), against a plain
+transformers forward pass (``ROW_ATOL``, as in ``test_vllm.py``) and against each replica's
+own rows (identical on CPU: same kernels, same weights).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import collections
 import importlib.util
 import math
+import os
 import random
 import threading
 from types import SimpleNamespace
@@ -25,6 +27,7 @@ import torch
 from genlm_backend.exceptions import ClosedError, EngineError, InvalidRequestError
 from genlm_backend.llm import MockAsyncLM, ReplicatedLM
 from genlm_backend.llm.replicas.building import device_groups, visible_ids
+from genlm_backend.llm.replicas.process import ProcessReplica
 
 V = 300
 
@@ -415,7 +418,7 @@ def needs_vllm(test):
 
 @pytest.fixture(scope="module")
 def replicated_vllm(tiny_model_dirs):
-    """Two replicas of the tiny model, each an engine whose model runs in a worker process."""
+    """Two replicas of the tiny model, each an engine in a process of its own."""
     from vllm_fixtures import ENGINE_OPTS
 
     lm = ReplicatedLM.from_name(str(tiny_model_dirs["base"]), replicas=2, engine_opts=dict(ENGINE_OPTS))
@@ -440,8 +443,9 @@ async def test_two_vllm_replicas_give_a_forward_pass_and_each_replicas_own_rows(
     from vllm_fixtures import assert_matches, assert_same_rows, prompts_of
 
     lm = replicated_vllm
-    assert [r.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend for r in lm.replicas] == [
-        "mp", "mp"]
+    assert all(isinstance(r, ProcessReplica) for r in lm.replicas)
+    pids = {r.pid for r in lm.replicas}
+    assert len(pids) == 2 and os.getpid() not in pids
     before = lm.stats()
     contexts = prompts_of([3, 9, 17, 40, 5, 12, 7, 22, 30, 2], seed=90)
     for contexts_then, rows in await lockstep(lm, contexts, STEPS, seed=1):
@@ -455,7 +459,8 @@ async def test_two_vllm_replicas_give_a_forward_pass_and_each_replicas_own_rows(
     routed = {k: after["routing"][k] - before["routing"][k] for k in ("num_routed", "num_kept", "num_new")}
     assert routed == {"num_routed": 10 * STEPS, "num_kept": 10 * (STEPS - 1), "num_new": 10}
     for old, new in zip(before["replicas"], after["replicas"]):  # lineage: the sessions were extended
-        assert new["sessions"]["num_extended"] - old["sessions"]["num_extended"] >= 5 * (STEPS - 1) - 2
+        extended = new["process"]["sessions"]["num_extended"] - old["process"]["sessions"]["num_extended"]
+        assert extended >= 5 * (STEPS - 1) - 2
 
 
 @needs_vllm

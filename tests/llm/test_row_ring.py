@@ -1,5 +1,5 @@
 """The row ring that an engine worker process shares with the engine's process
-(:mod:`genlm_backend.llm.vllm.row_ring`): where a step's rows go, that the steps a worker may run
+(:mod:`genlm_backend.llm.row_ring`): where a step's rows go, that the steps a worker may run
 while the engine's process still reads one never write over it, and that rows written in
 another process read back exactly (a CPU ring here; a CUDA one where there is a GPU)."""
 
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from genlm_backend.llm.vllm.row_ring import READ_LAG, RowRing, open_ring
+from genlm_backend.llm.row_ring import READ_LAG, RowRing, open_ring
 
 
 def test_a_step_takes_consecutive_slots_and_restarts_at_zero_when_they_do_not_fit():
@@ -92,8 +92,8 @@ def test_rows_written_in_another_process_read_back_exactly(device):
 def test_a_cuda_ring_is_opened_on_the_device_with_its_uuid(monkeypatch):
     """A replica's worker sees only its own GPU, as its ``cuda:0``; this process, which sees
     every GPU, may call that GPU ``cuda:1``. The handle's UUID says which one it is."""
-    from genlm_backend.llm.vllm import row_ring
-    from genlm_backend.llm.vllm.row_ring import local_device_index
+    from genlm_backend.llm import row_ring
+    from genlm_backend.llm.row_ring import local_device_index
 
     uuids = ["GPU-aa", "GPU-bb"]
     assert local_device_index("GPU-bb", 0, uuids) == 1

@@ -195,7 +195,7 @@ def test_tensor_parallel_rows_equal_a_forward_pass(tiny_model_dirs, hf_reference
 
 
 def test_rows_come_through_the_workers_ring(worker_lm):
-    from genlm_backend.llm.vllm.row_ring import READ_LAG
+    from genlm_backend.llm.row_ring import READ_LAG
 
     ring = worker_lm._remote.ring
     assert ring is not None and worker_lm._remote.final_rows
@@ -221,7 +221,8 @@ async def test_rows_travel_in_the_reply_where_there_is_no_ring(tiny_model_dirs, 
     """No shared memory: each step's rows travel as arrays in the worker's reply, and
     sessions are still held. Either the ring has no room (0 bytes), or this process
     cannot map the worker's ring (a worker on another host, through Ray)."""
-    from genlm_backend.llm.vllm import AsyncVirtualLM, row_ring
+    from genlm_backend.llm import row_ring
+    from genlm_backend.llm.vllm import AsyncVirtualLM
     from genlm_backend.llm.vllm.internals import remote
 
     if why == "no room":

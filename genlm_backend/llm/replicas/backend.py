@@ -109,17 +109,17 @@ class ReplicatedLM(AsyncLM):
     ) -> ReplicatedLM:
         """Builds ``replicas`` backends on ``model_name`` and serves them as one model.
 
-        With vLLM (the default), every replica's model runs in a worker process of its own
-        (``distributed_executor_backend="mp"``: two engines whose models share this process
-        cannot run side by side, and vLLM's in-process executor puts every model on
-        ``cuda:0``); on a GPU each replica gets ``tensor_parallel_size`` (times
-        ``pipeline_parallel_size``) GPUs of its own, the next ones of ``devices``, which
-        become its workers' only visible GPUs. vLLM's own data parallelism is not used: its
-        offline ``LLM`` refuses ``data_parallel_size > 1`` in one process (0.32: "not
-        supported for single-process usage"), and its engine core would be another process,
-        where the capture processor's rows cannot reach this one. One replica keeps the
-        caller's options (its model in this process by default). Engines with workers spawn
-        them: a script keeps its work under ``if __name__ == "__main__":``.
+        With vLLM (the default), every replica is an engine in a process of its own
+        (:class:`~genlm_backend.llm.replicas.process.ProcessReplica`, with the caller's
+        options: its model in that process, held sessions): engines in one process would
+        take turns, since vLLM keeps a model's forward context in one process-wide variable
+        and their Python would share one interpreter lock. On a GPU each replica gets
+        ``tensor_parallel_size`` (times ``pipeline_parallel_size``) GPUs of its own, the next
+        ones of ``devices``, its process's only visible ones. vLLM's own data parallelism is
+        not used: its offline ``LLM`` refuses ``data_parallel_size > 1`` in one process (0.32:
+        "not supported for single-process usage"). One replica is an engine in this process.
+        While replicas in processes live, this process's startup heap is frozen for Python's
+        collector (see :func:`~genlm_backend.llm.replicas.process.start_replicas`).
 
         Args:
             model_name: the model (a local folder or a hub id).

@@ -2,15 +2,14 @@
 <genlm_backend.llm.replicas.ReplicatedLM.from_name>`: which GPUs each one gets, and with
 which engine options.
 
-vLLM engines: every replica's model runs in a worker process of its own
-(``distributed_executor_backend="mp"``). Two engines whose models run in this process cannot
-run side by side: vLLM keeps the model's forward context (attention metadata) in one
-process-wide variable (``vllm.forward_context._forward_context``, 0.26 and 0.32), and its
-uniprocess executor puts every model on this process's ``cuda:0``. On a GPU, replica ``r``
-gets ``tensor_parallel_size * pipeline_parallel_size`` GPUs of its own, made its workers'
-only visible ones while it is built (:func:`~genlm_backend.llm.vllm.startup.engine_devices`).
-One replica keeps the caller's options (its model in this process by default: the fastest
-route, with held sessions).
+vLLM engines: every replica is a :class:`~genlm_backend.llm.replicas.process.ProcessReplica`,
+an engine in a process of its own with the caller's options (its model in that process by
+default: the fastest route, with held sessions). Engines in one process would take turns:
+vLLM keeps a model's forward context in one process-wide variable
+(``vllm.forward_context._forward_context``, 0.26 and 0.32), and the engines' scheduling and
+bookkeeping would share one interpreter lock. On a GPU, replica ``r`` gets
+``tensor_parallel_size * pipeline_parallel_size`` GPUs of its own, its process's only
+visible ones (``CUDA_VISIBLE_DEVICES``). One replica is an engine in this process.
 """
 
 from __future__ import annotations
@@ -114,27 +113,21 @@ def build_replicas(
 
 def _build_vllm(model_name: str, num_replicas: int, opts: dict, devices: Sequence[int] | None, on_gpu: bool,
                 replica_kwargs: dict[str, Any], built: list[Any]) -> list[Any]:
-    """The vLLM replicas (appended to ``built`` as they start, so a failure cleans them up)."""
-    from ..vllm import AsyncVirtualLM
-    from ..vllm.startup import engine_devices
-
+    """The vLLM replicas (appended to ``built`` as they start, so a failure cleans them up):
+    one engine in this process, or one process per replica, started side by side."""
     if num_replicas == 1:
+        from ..vllm import AsyncVirtualLM
+
         built.append(AsyncVirtualLM.from_name(model_name, engine_opts=opts, **replica_kwargs))
         return built
-    executor = opts.get("distributed_executor_backend")
-    if executor not in (None, "mp"):
-        raise InvalidRequestError(
-            f"replicas need distributed_executor_backend='mp' (each replica's model in a worker process "
-            f"of its own), got {executor!r}"
-        )
-    opts["distributed_executor_backend"] = "mp"
+    from .process import start_replicas
+
     if on_gpu:
         per_replica = int(opts.get("tensor_parallel_size") or 1) * int(opts.get("pipeline_parallel_size") or 1)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         placements = [visible_ids(g, visible) for g in device_groups(num_replicas, per_replica, devices)]
+        home = f"cuda:{devices[0]}"
     else:
-        placements = [None] * num_replicas
-    for placement in placements:
-        with engine_devices(placement):
-            built.append(AsyncVirtualLM.from_name(model_name, engine_opts=dict(opts), **replica_kwargs))
+        placements, home = [None] * num_replicas, None
+    built.extend(start_replicas("vllm", model_name, {"engine_opts": opts, **replica_kwargs}, placements, home))
     return built

@@ -3,7 +3,7 @@
 :mod:`.backend` is the class (with :mod:`.logprobs`, :mod:`.lora` and :mod:`.sampling`, its
 mixins); :mod:`.engine` steps the engine on the engine thread; :mod:`.capture` and
 :mod:`.forcing` run inside the engine step; :mod:`.sessions` keeps requests alive as engine
-sessions; :mod:`.startup` builds the engine; :mod:`genlm_backend.llm.vllm.row_ring` carries rows from worker
+sessions; :mod:`.startup` builds the engine; :mod:`genlm_backend.llm.row_ring` carries rows from worker
 processes. :mod:`.internals` is the seam: the one package that touches vLLM's private parts.
 Importing this package works without vllm installed (the class can be named, not used).
 """

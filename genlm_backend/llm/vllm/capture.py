@@ -14,7 +14,7 @@ skipped when every row is greedy). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and
 process-wide registry of sinks. Where the engine's workers are other processes
 (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``), the processor of the
 worker whose output the engine reads writes the rows of this process's sinks into a ring
-both processes map (:class:`RemoteRows`, :mod:`genlm_backend.llm.vllm.row_ring`); that step's output says where
+both processes map (:class:`RemoteRows`, :mod:`genlm_backend.llm.row_ring`); that step's output says where
 they are, and they reach their sinks (:func:`deliver_remote`) before the engine handles the
 step's results.
 

@@ -1,5 +1,5 @@
 """Rows captured in an engine worker process for sinks in the engine's process: gathered
-into a :class:`~genlm_backend.llm.vllm.row_ring.RowRing` both processes map (or arrays) in
+into a :class:`~genlm_backend.llm.row_ring.RowRing` both processes map (or arrays) in
 the worker, handed to their sinks here (see :mod:`genlm_backend.llm.vllm.internals.remote`
 for when each runs)."""
 
@@ -21,7 +21,7 @@ class RemoteRows:
     Installed in the worker whose step output the engine reads
     (:func:`~genlm_backend.llm.vllm.internals.install_remote_capture`): the capture processor gives it the
     final rows of every tag whose sink is not in this process. Their log-softmax goes into
-    the :class:`~genlm_backend.llm.vllm.row_ring.RowRing` shared with the engine's process, and the step's output
+    the :class:`~genlm_backend.llm.row_ring.RowRing` shared with the engine's process, and the step's output
     carries only where they are; without a ring (or for a step with more rows than it
     holds) the rows leave the device as one ``[k, V]`` array per sink. :meth:`take` hands
     the step's parts over to be sent with its output.

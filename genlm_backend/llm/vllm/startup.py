@@ -17,13 +17,6 @@ vLLM's cache of the variables. Engines are built one at a time (a lock), so two 
 two threads do not see each other's settings; other threads of the process see them while
 an engine is being built.
 
-Devices: inside :func:`engine_devices`, the engines a thread builds see only the given GPUs
-(``CUDA_VISIBLE_DEVICES``, set while each is built, like the variables above). That is how
-:class:`~genlm_backend.llm.replicas.ReplicatedLM` puts each replica on its own GPU: its
-workers are spawned processes (``distributed_executor_backend="mp"``), which keep the
-variable they started with, while this process keeps seeing every GPU (CUDA is initialised
-here before the variable is set: a process reads it once, when CUDA starts).
-
 On a CPU, vLLM sizes the KV cache as ``gpu_memory_utilization`` (0.9) of the machine's
 memory less what the process holds: it refuses to start where that much is not free, and
 otherwise takes it (12 GiB and a 13.7 GB RSS for a 135M-parameter model).
@@ -40,19 +33,17 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from . import internals
 
-__all__ = ["cpu_kv_cache_bytes", "engine_devices", "engine_environment", "start_engine"]
+__all__ = ["cpu_kv_cache_bytes", "engine_environment", "start_engine"]
 
 # The variables engine_environment may set; each gets the caller's value back.
 ENGINE_VARIABLES = (
     "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER", "VLLM_WORKER_MULTIPROC_METHOD",
 )
-# Set only inside engine_devices; the caller's value comes back all the same.
-DEVICE_VARIABLE = "CUDA_VISIBLE_DEVICES"
 # The most of the memory available at build time that a CPU KV cache sized here takes. CPU
 # memory is shared with everything else the user runs; SmolLM2-135M in float32 with vLLM's
 # 256 sequences of 512 tokens would ask for 5.9 GB (2.6 GB where 21 GB are free).
@@ -64,21 +55,6 @@ CPU_DEFAULT_MAX_NUM_SEQS = 256
 SPARE_TOKENS = 256
 
 _BUILD_LOCK = threading.Lock()
-_CHOSEN = threading.local()  # .devices: the CUDA_VISIBLE_DEVICES of engines this thread builds
-
-
-@contextlib.contextmanager
-def engine_devices(devices: Sequence[int | str] | None) -> Iterator[None]:
-    """Engines that this thread builds inside the block see only ``devices`` (ids as
-    ``CUDA_VISIBLE_DEVICES`` takes them: this process's own ``CUDA_VISIBLE_DEVICES`` entries,
-    or indices where it has none); None: no change. The variable is set only while each
-    engine is built (:func:`engine_environment`); the engine's worker processes keep it."""
-    previous = getattr(_CHOSEN, "devices", None)
-    _CHOSEN.devices = None if devices is None else ",".join(str(d) for d in devices)
-    try:
-        yield
-    finally:
-        _CHOSEN.devices = previous
 
 
 def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -> Any:
@@ -107,20 +83,15 @@ def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -
 def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
     """While an engine is built: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its core in this
     process), the V1 model runner where the capture processor is installed and spawned
-    workers for an engine with worker processes (unless the caller chose either), and the
-    devices chosen by :func:`engine_devices`, if any. On the way out, also when the build
-    fails, every one of :data:`ENGINE_VARIABLES` (and ``CUDA_VISIBLE_DEVICES``) gets the
-    caller's value back, and vLLM's cache of its variables (which the engine core fills as it starts)
+    workers for an engine with worker processes (unless the caller chose either). On the way
+    out, also when the build fails, every one of :data:`ENGINE_VARIABLES` gets the caller's
+    value back, and vLLM's cache of its variables (which the engine core fills as it starts)
     is read again from the caller's environment."""
     import vllm.envs
 
-    devices = getattr(_CHOSEN, "devices", None)
-    saved = {name: os.environ.get(name) for name in (*ENGINE_VARIABLES, DEVICE_VARIABLE)}
+    saved = {name: os.environ.get(name) for name in ENGINE_VARIABLES}
     cached = internals.envs_cache_enabled()
     try:
-        if devices is not None:
-            _start_cuda_here()  # before the variable: this process keeps seeing every GPU
-            os.environ[DEVICE_VARIABLE] = devices
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if can_capture:
             internals.prefer_v1_model_runner()
@@ -137,20 +108,6 @@ def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
         if cached or internals.envs_cache_enabled():
             vllm.envs.disable_envs_cache()
             vllm.envs.enable_envs_cache()
-
-
-def _start_cuda_here() -> None:
-    """Initialises CUDA in this process, where there is CUDA: it reads
-    ``CUDA_VISIBLE_DEVICES`` then, once, so a value set later for a build reaches only the
-    processes that the build starts. torch counts the devices apart, from the variable as it
-    is at the first count after that (through NVML), and keeps that count: it is counted here
-    too, or a count taken during a build would leave this process seeing that build's GPUs
-    only (the rows of another replica's GPU would then be mapped onto the wrong device)."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.init()
-        torch.cuda.device_count()
 
 
 def cpu_kv_cache_bytes(model_name: str, chosen: dict, available: int | None = None) -> int | None:

@@ -54,7 +54,7 @@ What is relied on:
   reply is not read: rows then ride on ``sample_tokens``'s output (a ``ModelRunnerOutput``,
   or an async one whose ``get_output`` does), which travels pickled, extra attributes
   included, to ``scheduler.update_from_output`` (wrapped by :func:`_before_update`). The
-  rows themselves wait in a :class:`~genlm_backend.llm.vllm.row_ring.RowRing` both
+  rows themselves wait in a :class:`~genlm_backend.llm.row_ring.RowRing` both
   processes map; its size rests on ``VllmConfig.max_concurrent_batches`` and on the engine
   core's batch queue handing a step's output to the scheduler before it schedules the step
   after the next.

@@ -1,5 +1,5 @@
 """Rows from engine workers in other processes: the worker gathers them into a
-:class:`~genlm_backend.llm.vllm.row_ring.RowRing`, its reply says where they are, and they
+:class:`~genlm_backend.llm.row_ring.RowRing`, its reply says where they are, and they
 reach this process's sinks inside the step that computed them, so sessions are held between
 steps as in an in-process engine (see :mod:`genlm_backend.llm.vllm.internals`).
 
@@ -64,14 +64,14 @@ def install_remote_capture(llm: Any, on_rows: Callable[[Any, Any], dict | None])
     The worker whose output the engine reads (``executor.output_rank``; the others capture
     nothing) gathers the rows of this process's sinks
     (:class:`~genlm_backend.llm.vllm.remote_rows.RemoteRows`) into a
-    :class:`~genlm_backend.llm.vllm.row_ring.RowRing` both processes map, and says where
+    :class:`~genlm_backend.llm.row_ring.RowRing` both processes map, and says where
     they are; ``on_rows(parts, ring)`` hands them over on the engine thread and returns the
     tokens to force after them (``{sink token: {tag: token}}``, or None). Returns None where
     the model runner is in this process (nothing to do) or where this cannot be arranged
     (the engine core in another process, a worker without these calls): log-probability
     calls then fail with a clear error.
     """
-    from ..row_ring import READ_LAG, open_ring
+    from ...row_ring import READ_LAG, open_ring
 
     engine = llm.llm_engine
     scheduler = _scheduler(engine)
@@ -234,7 +234,7 @@ def _gather_in(worker: Any, runner: Any, max_rows: int, depth: int, lag: int, wi
     """Makes the output rank's capture processors gather the rows of the engine process's
     sinks, and its replies carry them."""
     from .. import capture, remote_rows
-    from ..row_ring import RowRing
+    from ...row_ring import RowRing
 
     try:
         ring = RowRing.create(max_rows, depth, width, getattr(runner, "device", "cpu"), lag) if max_rows > 0 else None
