@@ -1,9 +1,9 @@
 """Where a W1 step goes with replicas in processes of their own (``ReplicatedLM.from_name``),
 or with one engine in this process (``--replicas 1``): the step split into this process's
-part and the replicas' (their ``stats()`` timings: a batch's round trip, the rows' copy out,
-each server's evaluation, ring write and idle time), the time this process spends in
-Python's collector, and a profile of this process over one
-run (cProfile's own time, top functions; from Python 3.12 it sees every thread).
+part and the engine's or replicas' (per batch; and the replicas' ``stats()`` timings: a
+batch's round trip, the rows' copy out, each server's evaluation, ring write and idle
+time), the time this process spends in Python's collector, and a profile of this process
+over one run (cProfile's own time, top functions; from Python 3.12 it sees every thread).
 
     python benchmarks/diagnostics/trace_replicas.py --gpu --tokenizer-dir .gpu_assets/tekken \\
         --replicas 2 --particles 512
@@ -75,6 +75,38 @@ class CollectorClock:
         gc.callbacks.remove(self)
 
 
+class BatchClock:
+    """Wraps the evaluation of ``lm``'s log-probability batcher: per batch, the time from the previous batch's rows
+    reaching this process's loop to this batch's start (this process's part of a step: the
+    rows handed out, the program's sampling, the next requests checked and batched) and from
+    its start to its rows (the engine's part, or the replicas')."""
+
+    def __init__(self, lm):
+        self.batcher = lm._logprobs_batcher
+        self.evaluate = self.batcher.evaluate
+        self.ours, self.theirs = [], []
+        self._done = None
+        self.batcher.evaluate = self
+
+    def __call__(self, requests):
+        started = time.perf_counter()
+        if self._done is not None:
+            self.ours.append(started - self._done)
+        result = self.evaluate(requests)
+        if isinstance(result, asyncio.Future):
+            result.add_done_callback(lambda _: self._finish(started))
+        else:
+            self._finish(started)
+        return result
+
+    def _finish(self, started: float) -> None:
+        self._done = time.perf_counter()
+        self.theirs.append(self._done - started)
+
+    def close(self) -> None:
+        self.batcher.evaluate = self.evaluate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--replicas", type=int, default=2)
@@ -87,12 +119,18 @@ def main() -> None:
         asyncio.run(smc(lm, prompt, n, args.steps, UserSampler("w1", vocab, 0)))  # warm-up
         walls = []
         clock = CollectorClock()
+        batches = BatchClock(lm)
         for repeat in range(3):
             sampler = UserSampler("w1", vocab, repeat + 1)
             start = time.perf_counter()
             asyncio.run(smc(lm, prompt, n, args.steps, sampler))
             walls.append((time.perf_counter() - start, sampler.seconds))
         clock.close()
+        batches.close()
+        ours, theirs = sorted(batches.ours), sorted(batches.theirs)
+        print(f"a batch, median (ms): this process's part {1000 * ours[len(ours) // 2]:.2f}, "
+              f"the engine's or replicas' part {1000 * theirs[len(theirs) // 2]:.2f} "
+              f"({len(theirs)} batches)")
         after = lm.stats()
         steps = 3 * args.steps
         passes = [f"gen{g} {1000 * clock.seconds[g] / steps:.2f} ms ({clock.counts[g]} passes)"

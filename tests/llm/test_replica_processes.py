@@ -339,3 +339,26 @@ def test_the_heap_stays_frozen_while_started_replicas_live(folder, monkeypatch):
         second[0].cleanup()
     assert calls == ["collect", "freeze", "unfreeze"]
     assert not process._HOLDING_GC
+
+
+@pytest.mark.parametrize("callers", [None, "3"])
+def test_a_gpu_replicas_process_gets_one_cpu_thread_unless_the_caller_chose(folder, monkeypatch,
+                                                                             callers):
+    """On a GPU (faked here), the child starts with ``OMP_NUM_THREADS=1``, as vLLM's GPU
+    workers do; a value the caller set goes to the child as it is; this process's
+    environment is left as it was."""
+    from genlm_backend.llm.replicas import serve
+
+    monkeypatch.setattr(serve, "_on_gpu", lambda: True)
+    if callers is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", callers)
+    replica = ProcessReplica("mock", folder)
+    try:
+        with open(f"/proc/{replica.pid}/environ", "rb") as f:
+            variables = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        assert variables[b"OMP_NUM_THREADS"] == (b"1" if callers is None else callers.encode())
+        assert os.environ.get("OMP_NUM_THREADS") == callers
+    finally:
+        replica.cleanup()

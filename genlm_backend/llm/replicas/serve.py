@@ -66,6 +66,10 @@ class Child:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in visible_devices)
+        if "OMP_NUM_THREADS" not in env and _on_gpu():
+            # One CPU thread for torch's own ops, as vLLM gives its GPU worker processes:
+            # k replicas each with a pool of every core's threads spin against each other.
+            env["OMP_NUM_THREADS"] = "1"
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "genlm_backend.llm.replicas.serve", str(theirs.fileno())],
@@ -117,6 +121,11 @@ class Child:
             self.process.kill()
             self.process.wait()
         self.conn.close()
+
+
+def _on_gpu() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available()
 
 
 def build(backend: str, model_name: str, kwargs: dict) -> Any:
