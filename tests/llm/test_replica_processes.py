@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import traceback
 
 import pytest
 import torch
@@ -287,6 +288,13 @@ async def test_a_child_that_dies_fails_only_its_requests(pair, reference, folder
         await asyncio.wait_for(dead.sample([1, 8101], 3, [2], seed=0), WAIT)
     with pytest.raises(EngineError):
         dead.add_new_lora(folder, "b")
+    errors = []
+    for _ in range(3):  # each caller gets an error of its own, its traceback not the others'
+        with pytest.raises(EngineError) as info:
+            ProcessReplica._evaluate_logprobs(dead, [])
+        errors.append(info.value)
+    assert len({id(e) for e in errors}) == 3
+    assert all(len(traceback.extract_tb(e.__traceback__)) == 2 for e in errors)
     wrapper.cleanup()
     assert dead._child.process.returncode == -9 and replicas[1]._child.process.returncode == 0
 

@@ -128,7 +128,7 @@ class ProcessReplica(AsyncLM):
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Any:
         """On the event loop: sends the batch; returns a future of its rows."""
         if self._failure is not None:
-            raise self._failure
+            raise self._failed()
         newest = len(self._known)
         rotate = newest >= REMEMBER or newest >= max(MIN_REMEMBER, len(self._known_old))
         if rotate:
@@ -236,24 +236,32 @@ class ProcessReplica(AsyncLM):
         except RuntimeError:  # the loop is closed: nobody waits
             pass
 
+    def _failed(self) -> BaseException:
+        """A new error of this replica's end, for one caller (an instance raised again and
+        again would gather every raise's traceback)."""
+        failure = self._failure  # an EngineError or a ClosedError, never raised itself
+        error = type(failure)(*failure.args)
+        error.__cause__ = failure.__cause__
+        return error
+
     def _end(self, failure: BaseException) -> None:
         """The child is gone: everything in flight and everything later fails."""
         self._failure = failure
         for batch in list(self._pending):
             future, loop, *_ = self._pending.pop(batch)
             try:
-                loop.call_soon_threadsafe(_fail, future, failure)
+                loop.call_soon_threadsafe(_fail, future, self._failed())
             except RuntimeError:
                 pass
         for call in list(self._calls):
-            self._calls.pop(call).set_exception(failure)
+            self._calls.pop(call).set_exception(self._failed())
 
     # ---- calls into the child -------------------------------------------------------------
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._failure is not None:
-            future.set_exception(self._failure)
+            future.set_exception(self._failed())
             return future
         call = next(self._call_ids)
         self._calls[call] = future
