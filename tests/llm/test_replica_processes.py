@@ -370,3 +370,24 @@ def test_a_gpu_replicas_process_gets_one_cpu_thread_unless_the_caller_chose(fold
         assert os.environ.get("OMP_NUM_THREADS") == callers
     finally:
         replica.cleanup()
+
+
+async def test_a_batch_sent_as_the_reader_ends_fails_instead_of_waiting(folder, monkeypatch):
+    """The reader thread ends (the child exited) after a batch's check, and fails what is in
+    flight before the batch is counted in flight: the batch fails at once rather than wait
+    for a reply that never comes."""
+    replica = ProcessReplica("mock", folder)
+    try:
+        send = replica._send
+
+        def ending_first(message):
+            if message[0] == "rows":  # _end ran, with nothing in flight then
+                replica._failure = EngineError("the replica's process exited")
+            send(message)
+
+        monkeypatch.setattr(replica, "_send", ending_first)
+        with pytest.raises(EngineError):
+            replica._evaluate_logprobs([replica._request([1, 2, 3], None)])
+        assert not replica._pending
+    finally:
+        replica.cleanup()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import itertools
 import threading
@@ -143,6 +144,8 @@ class ProcessReplica(AsyncLM):
         except BaseException:
             self._pending.pop(batch, None)
             raise
+        if self._failure is not None and self._pending.pop(batch, None) is not None:
+            raise self._failed()  # the reader ended meanwhile and did not see this batch
         return future
 
     def _entry(self, request: LogprobsRequest) -> Any:
@@ -202,7 +205,9 @@ class ProcessReplica(AsyncLM):
 
     def _on_rows(self, batch: int, start: int, errors: dict, inline: Any, ring: Any) -> None:
         pending = self._pending.pop(batch, None)
-        if pending is None:  # failed already (the child's end)
+        if pending is None:  # failed here already: nobody reads its rows
+            with contextlib.suppress(OSError):
+                self._send(("ack", batch))
             return
         future, loop, size, sent = pending
         arrived = time.perf_counter()
