@@ -391,3 +391,25 @@ async def test_a_batch_sent_as_the_reader_ends_fails_instead_of_waiting(folder, 
         assert not replica._pending
     finally:
         replica.cleanup()
+
+
+async def test_the_child_learns_every_handle_of_a_batch_it_cannot_read(folder, reference):
+    """A batch with an entry the child cannot read (an unknown parent handle) fails as a
+    whole, but the child still learns the batch's other handles, so a later batch that
+    names one of them by its handle gets its row."""
+    replica = ProcessReplica("mock", folder)
+    loop = asyncio.get_running_loop()
+
+    async def raw(batch, entries):
+        future = loop.create_future()
+        replica._pending[batch] = (future, loop, len(entries), 0.0)
+        replica._send(("rows", batch, False, entries))
+        return await asyncio.wait_for(future, WAIT)
+
+    try:
+        failed = await raw(-1, [(10**6, None, 10**7, 5), (10**6 + 1, None, (4, 5, 6))])
+        assert all(isinstance(row, EngineError) for row in failed)
+        [row] = await raw(-2, [10**6 + 1])
+        assert torch.equal(row, reference.logprobs_of([4, 5, 6]))
+    finally:
+        replica.cleanup()

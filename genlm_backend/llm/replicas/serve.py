@@ -184,7 +184,15 @@ class Server:
         if rotate:
             self.known_old, self.known = self.known, {}
         try:
-            requests = [self.request_of(entry) for entry in entries]
+            requests, broken = [], None
+            for entry in entries:  # every entry's handle is learnt, also after one fails
+                try:
+                    requests.append(self.request_of(entry))
+                except Exception as exc:  # noqa: BLE001 - fails the batch, after the loop
+                    broken = broken or EngineError(
+                        f"the replica could not read request {entry!r:.60}: {exc!r}")
+            if broken is not None:
+                raise broken
             lm = self.lm
             if lm._evaluates_on_loop:
                 result = lm._evaluate_logprobs(requests)
