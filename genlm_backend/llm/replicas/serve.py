@@ -42,6 +42,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ...exceptions import EngineError
+from ..loading import load_model_by_name
+from ..prompts import LogprobsRequest
 
 __all__ = ["CALLS", "RING_BYTES", "Child", "main"]
 
@@ -128,23 +130,6 @@ def _on_gpu() -> bool:
     return torch is not None and torch.cuda.is_available()
 
 
-def build(backend: str, model_name: str, kwargs: dict) -> Any:
-    """The backend this process serves."""
-    if backend == "vllm":
-        from ..vllm import AsyncVirtualLM
-
-        return AsyncVirtualLM.from_name(model_name, **kwargs)
-    if backend == "hf":
-        from ..hf import AsyncTransformer
-
-        return AsyncTransformer.from_name(model_name, **kwargs)
-    if backend == "mock":
-        from ..mock import MockAsyncLM
-
-        return MockAsyncLM.from_name(model_name, **kwargs)
-    raise ValueError(f"unknown backend {backend!r}")
-
-
 class Server:
     """Serves one backend's batches and calls, on this process's event loop."""
 
@@ -204,8 +189,6 @@ class Server:
         self.loop.create_task(self.reply_rows(batch, len(entries), result, received))
 
     def request_of(self, entry: Any) -> Any:
-        from ..prompts import LogprobsRequest
-
         if type(entry) is int:
             request = self.known.get(entry) or self.known_old[entry]
             self.known[entry] = request
@@ -346,7 +329,7 @@ async def _serve(conn: Connection) -> None:
     start = conn.recv()
     _, backend, model_name, kwargs = start
     try:
-        lm = build(backend, model_name, kwargs)
+        lm = load_model_by_name(model_name, backend, kwargs)
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
         conn.send(("failed", _picklable({0: exc})[0], traceback.format_exc()))
         return
@@ -354,13 +337,14 @@ async def _serve(conn: Connection) -> None:
     gc.collect()
     gc.freeze()
     try:
-        tokenizer = lm.tokenizer
+        info = {"vocab_size": lm.vocab_size, "max_prompt_len": lm.max_prompt_len,
+                "batch_size": lm.batch_size, "tokenizer": lm.tokenizer}
         try:
-            pickle.dumps(tokenizer)
-        except Exception:  # noqa: BLE001 - the parent loads it by name instead
-            tokenizer = None
-        conn.send(("ready", {"vocab_size": lm.vocab_size, "max_prompt_len": lm.max_prompt_len,
-                             "batch_size": lm.batch_size, "tokenizer": tokenizer}))
+            conn.send(("ready", info))  # pickled whole before anything is written
+        except OSError:
+            raise
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot be pickled: the parent
+            conn.send(("ready", {**info, "tokenizer": None}))  # loads it by name instead
         server = Server(lm, conn, asyncio.get_running_loop())
         threading.Thread(target=_reader, args=(conn, server.loop, server), daemon=True).start()
         await server.closed
