@@ -20,10 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...exceptions import InvalidRequestError
+from ..loading import BACKENDS
 
 __all__ = ["BACKENDS", "build_replicas", "device_groups", "visible_ids"]
-
-BACKENDS = ("vllm", "hf", "mock")
 
 
 def device_groups(num_replicas: int, per_replica: int, devices: Sequence[int]) -> list[list[int]]:
