@@ -442,3 +442,28 @@ async def test_a_continued_session_whose_row_never_comes_fails_only_its_caller(v
     assert_matches(results[1], hf_reference("base", nxt[1]))
     assert victims and victims[0].state == "closed"
     assert_matches(await vlm.next_token_logprobs(nxt[0]), hf_reference("base", nxt[0]))
+
+
+def test_a_held_session_that_cannot_be_parked_stays_closed():
+    """Where parking fails (the engine no longer knows the request), the backend closes the
+    session instead; the plan that left it out must not mark it parked again."""
+    from types import SimpleNamespace
+
+    from genlm_backend.llm.prompts import PromptChecker
+    from genlm_backend.llm.vllm.sessions import PlanEntry, SessionPool
+
+    aborted = []
+    pool = SessionPool(aborted.extend, 4, park=lambda session: pool.close(session),
+                       follow=lambda tag, target: None, unfollow=lambda tag: None)
+    checker = PromptChecker(100, None)
+    first, other = checker.request([1, 2, 3], None), checker.request([7, 8, 9], None)
+    (entry,) = pool.plan([first], None)
+    assert isinstance(entry, PlanEntry)
+    job = SimpleNamespace(result=None, batch=None, stream_request=None, params=None)
+    job.finish = lambda row: setattr(job, "result", row)
+    pool.bind(entry, job, tag=1)
+    pool.deliver(entry.session, torch.zeros(3))
+    assert entry.session.state == "held"
+    pool.plan([other], None)  # leaves the held session out: parking it closes it
+    assert entry.session.state == "closed" and aborted == [entry.session.request_id]
+    assert pool.get(entry.session.request_id) is None and first.kept is None

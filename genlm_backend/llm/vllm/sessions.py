@@ -264,7 +264,8 @@ class SessionPool:
                 self.close(session)
             else:
                 self._park(session)
-                session.state = "parked"
+                if session.state != "closed":  # (a park that fails closes the session)
+                    session.state = "parked"
         self._held = []
         self.decided = True
 
