@@ -22,6 +22,8 @@ Python between the rows and the next forward pass, with no batching, session pla
 event-loop hand-off. It is timed against the floor (the same engine, its own sampler) in one
 process, interleaved. A check compares the tokens vLLM recorded with the user's draws, and a
 row of the last step with the same context computed afresh (and with a wrong last token).
+``floor_device``: one floor run per N with the device's time of each step, from the forward
+pass to the sampler's output (CUDA events), beside the step's wall time.
 
     python benchmarks/diagnostics/schedule_ahead.py --gpu --tokenizer-dir .gpu_assets/tekken \
         --particles 64 256 --repeats 5
@@ -67,11 +69,25 @@ class ScheduleAhead:
         self.tokens: dict[str, list[int]] = {}
         self.last_rows: dict[str, torch.Tensor] = {}
         self.reference: torch.Tensor | None = None
-        sample, prepare = runner._sample, runner._prepare_input_ids
+        self.timing = False  # record the device time of each step, forward pass to sample
+        self.events: list[tuple[Any, Any]] = []
+        sample, prepare, model_forward = runner._sample, runner._prepare_input_ids, runner._model_forward
         output_class = gpu_model_runner.AsyncGPUModelRunnerOutput
         get_output = output_class.get_output
 
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.timing:
+                self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                self.events[-1][0].record()
+            return model_forward(*args, **kwargs)
+
         def _sample(logits: torch.Tensor, spec_decode_metadata: Any) -> Any:
+            out = _sample_inner(logits, spec_decode_metadata)
+            if self.timing and self.events:
+                self.events[-1][1].record()
+            return out
+
+        def _sample_inner(logits: torch.Tensor, spec_decode_metadata: Any) -> Any:
             if not self.active:
                 if self.record:
                     self.reference = torch.log_softmax(logits.float(), dim=-1)[-1].clone()
@@ -105,7 +121,7 @@ class ScheduleAhead:
                         self.last_rows[req_id] = step.rows[i]
             return out
 
-        runner._sample, runner._prepare_input_ids = _sample, prepare_input_ids
+        runner._sample, runner._prepare_input_ids, runner._model_forward = _sample, prepare_input_ids, forward
         output_class.get_output = output
 
     def _draw(self, step: Step) -> None:
@@ -178,6 +194,18 @@ def main(argv: list[str] | None = None) -> dict:
                     walls[mode].setdefault(n, []).append(wall)
                     if mode == "ahead":
                         walls["draw"].setdefault(n, []).append(ahead.draw_s)
+    for n in args.particles:  # where a step's time goes: the device's part, forward pass to sample
+        ahead.timing, ahead.events = True, []
+        start = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        ahead.timing = False
+        torch.cuda.synchronize()
+        device_ms = sorted(a.elapsed_time(b) for a, b in ahead.events)
+        result.setdefault("floor_device", []).append({
+            "N": n, "steps": len(device_ms), "step_ms": 1e3 * wall / len(device_ms),
+            "device_ms_median": device_ms[len(device_ms) // 2]})
+        print("floor", result["floor_device"][-1], flush=True)
     rows = []
     for n in args.particles:
         floor, mine, draw = (sorted(walls[k][n]) for k in ("floor", "ahead", "draw"))
