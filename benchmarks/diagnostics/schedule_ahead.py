@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections import deque
@@ -45,7 +46,8 @@ import torch
 
 from benchmarks.common import summarise
 from benchmarks.diagnostics._w1 import parse
-from benchmarks.models import workload
+from benchmarks.models import vocab_size, workload
+from genlm_backend.llm.vllm.internals.engine import _model_runner
 
 
 class Step:
@@ -171,11 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the backend uses
     model_dir, opts, prompt = workload(args)
     llm = LLM(str(model_dir), **{**opts, "async_scheduling": True})
-    core = llm.llm_engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
-    ahead = ScheduleAhead(runner)
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    result: dict[str, Any] = {"check": check(llm, ahead, prompt, vocab)}
+    ahead = ScheduleAhead(_model_runner(llm.llm_engine))
+    result: dict[str, Any] = {"check": check(llm, ahead, prompt, vocab_size(model_dir))}
     print("check:", result["check"], flush=True)
 
     params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
@@ -201,18 +200,17 @@ def main(argv: list[str] | None = None) -> dict:
         wall = time.perf_counter() - start
         ahead.timing = False
         torch.cuda.synchronize()
-        device_ms = sorted(a.elapsed_time(b) for a, b in ahead.events)
+        device_ms = [a.elapsed_time(b) for a, b in ahead.events]
         result.setdefault("floor_device", []).append({
             "N": n, "steps": len(device_ms), "step_ms": 1e3 * wall / len(device_ms),
-            "device_ms_median": device_ms[len(device_ms) // 2]})
+            "device_ms_median": statistics.median(device_ms)})
         print("floor", result["floor_device"][-1], flush=True)
     rows = []
     for n in args.particles:
-        floor, mine, draw = (sorted(walls[k][n]) for k in ("floor", "ahead", "draw"))
-        nosample = sorted(w - d for w, d in zip(walls["ahead"][n], walls["draw"][n]))
-        row = {"N": n, "floor_s": summarise(floor), "ahead_s": summarise(mine),
-               "draw_s": draw[len(draw) // 2], "ratio": mine[len(mine) // 2] / floor[len(floor) // 2],
-               "ratio_nosample": nosample[len(nosample) // 2] / floor[len(floor) // 2]}
+        floor, mine = summarise(walls["floor"][n]), summarise(walls["ahead"][n])
+        nosample = statistics.median(w - d for w, d in zip(walls["ahead"][n], walls["draw"][n]))
+        row = {"N": n, "floor_s": floor, "ahead_s": mine, "draw_s": statistics.median(walls["draw"][n]),
+               "ratio": mine["median_s"] / floor["median_s"], "ratio_nosample": nosample / floor["median_s"]}
         rows.append(row)
         print(f"N={n}: floor {row['floor_s']['median_s']:.3f} s, ahead {row['ahead_s']['median_s']:.3f} s, "
               f"draw {row['draw_s']:.3f} s, ratio {row['ratio']:.2f}, without the draw {row['ratio_nosample']:.2f}",
