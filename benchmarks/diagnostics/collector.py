@@ -1,0 +1,114 @@
+"""What Python's garbage collector costs W1 and W5, and what a program gets back by tuning it.
+
+Runs the workload of record (``bench_smc_vllm``'s W1 or W5 on the default constructor) in one
+process under three settings of the collector, which belong to the program, not to this
+package (the backend never changes them):
+
+- ``default``: the settings the process started with (CPython's ``(700, 10, 10)``), as the
+  figures of record run;
+- ``fewer``: ``gc.set_threshold(50_000, 20, 20)``, a young-generation pass every 50,000 net
+  allocations instead of every 700;
+- ``off``: ``gc.disable()`` for the run.
+
+The settings alternate run by run (the order reversed every other repeat), and the process's
+own settings come back after each run. For ``default`` it also times the collector's passes
+(``gc.callbacks``): milliseconds a step per generation. Prints a line per configuration and,
+with ``--out-dir``, writes ``collector_<gpu|cpu>.json`` (or ``--name``) there.
+
+    python benchmarks/diagnostics/collector.py --gpu --tokenizer-dir DIR --particles 64 256
+    OMP_NUM_THREADS=1 python benchmarks/diagnostics/collector.py --micro --particles 64 256 \\
+        --engine-opt max_num_seqs=1024
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
+
+from benchmarks.common import summarise, write_json
+from benchmarks.diagnostics._w1 import parse, run_ours, start
+
+SETTINGS = ("default", "fewer", "off")
+
+
+class PassClock:
+    """Seconds in the collector's passes, per generation, while installed (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.seconds, self.passes, self._started = [0.0] * 3, [0] * 3, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+            self.passes[info["generation"]] += 1
+
+
+def run_with(setting: str, run, clock: PassClock) -> float:
+    """One run under ``setting``; the collector's settings are the process's again after."""
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    if setting == "fewer":
+        gc.set_threshold(50_000, 20, 20)
+    elif setting == "off":
+        gc.disable()
+    elif setting == "default":
+        gc.callbacks.append(clock)
+    try:
+        started = time.perf_counter()
+        run()
+        return time.perf_counter() - started
+    finally:
+        if clock in gc.callbacks:
+            gc.callbacks.remove(clock)
+        gc.set_threshold(*threshold)
+        if enabled:
+            gc.enable()
+
+
+def main() -> None:
+    args = parse(sys.argv[1:])
+    lm, prompt = start(args)
+    rows = []
+    try:
+        for workload in args.workloads:
+            for n in args.particles:
+                def run(n=n, workload=workload):
+                    run_ours(lm, prompt, n, args, workload)
+
+                run()  # warm-up
+                walls = {s: [] for s in SETTINGS}
+                clock = PassClock()
+                for repeat in range(args.repeats):
+                    for setting in SETTINGS if repeat % 2 == 0 else SETTINGS[::-1]:
+                        walls[setting].append(run_with(setting, run, clock))
+                steps = args.repeats * args.steps
+                base = statistics.median(walls["default"])
+                for setting in SETTINGS:
+                    row = {"workload": workload, "N": n, "T": args.steps, "setting": setting,
+                           **summarise(walls[setting]),
+                           "speedup": base / statistics.median(walls[setting])}
+                    if setting == "default":
+                        row["collector_ms_per_step"] = [round(1e3 * s / steps, 3) for s in clock.seconds]
+                        row["passes_per_step"] = [round(p / steps, 2) for p in clock.passes]
+                    rows.append(row)
+                    extra = (f"; collector {row['collector_ms_per_step']} ms a step (gen 0/1/2)"
+                             if setting == "default" else "")
+                    print(f"{workload} N={n} {setting}: wall median {row['median_s'] * 1e3:.1f} ms "
+                          f"(min {row['min_s'] * 1e3:.1f} max {row['max_s'] * 1e3:.1f}), "
+                          f"{row['speedup']:.3f}x the default{extra}", flush=True)
+    finally:
+        lm.cleanup()
+    if args.out_dir is not None:
+        name = args.name or f"collector_{'gpu' if args.gpu else 'cpu'}"
+        write_json(name, {"config": {k: v for k, v in vars(args).items() if k != "serve"}, "rows": rows},
+                   args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
