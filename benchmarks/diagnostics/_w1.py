@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,3 +54,23 @@ def run_floor(lm: Any, prompt: list[int], n: int, args: argparse.Namespace) -> N
     lm.close_sessions()  # llm.generate would wait for the parked sessions
     params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
     lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+
+
+class CollectorClock:
+    """Seconds this process spends in Python's collector, per generation (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self._started = 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+            self.counts[info["generation"]] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self)

@@ -31,41 +31,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
 
 from benchmarks.common import summarise, write_json
-from benchmarks.diagnostics._w1 import parse, run_ours, start
+from benchmarks.diagnostics._w1 import CollectorClock, parse, run_ours, start
 
 SETTINGS = ("default", "fewer", "off")
 
 
-class PassClock:
-    """Seconds in the collector's passes, per generation, while installed (``gc.callbacks``)."""
-
-    def __init__(self):
-        self.seconds, self.passes, self._started = [0.0] * 3, [0] * 3, 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds[info["generation"]] += time.perf_counter() - self._started
-            self.passes[info["generation"]] += 1
-
-
-def run_with(setting: str, run, clock: PassClock) -> float:
-    """One run under ``setting``; the collector's settings are the process's again after."""
+def run_with(setting: str, run) -> tuple[float, CollectorClock | None]:
+    """One run under ``setting``: its wall, and under ``default`` the clock of the collector's
+    passes during it. The collector's settings are the process's again after."""
     threshold, enabled = gc.get_threshold(), gc.isenabled()
+    clock = None
     if setting == "fewer":
         gc.set_threshold(50_000, 20, 20)
     elif setting == "off":
         gc.disable()
-    elif setting == "default":
-        gc.callbacks.append(clock)
+    else:
+        clock = CollectorClock()
     try:
         started = time.perf_counter()
         run()
-        return time.perf_counter() - started
+        return time.perf_counter() - started, clock
     finally:
-        if clock in gc.callbacks:
-            gc.callbacks.remove(clock)
+        if clock is not None:
+            clock.close()
         gc.set_threshold(*threshold)
         if enabled:
             gc.enable()
@@ -82,11 +70,13 @@ def main() -> None:
                     run_ours(lm, prompt, n, args, workload)
 
                 run()  # warm-up
-                walls = {s: [] for s in SETTINGS}
-                clock = PassClock()
+                walls, clocks = {s: [] for s in SETTINGS}, []
                 for repeat in range(args.repeats):
                     for setting in SETTINGS if repeat % 2 == 0 else SETTINGS[::-1]:
-                        walls[setting].append(run_with(setting, run, clock))
+                        wall, clock = run_with(setting, run)
+                        walls[setting].append(wall)
+                        if clock is not None:
+                            clocks.append(clock)
                 steps = args.repeats * args.steps
                 base = statistics.median(walls["default"])
                 for setting in SETTINGS:
@@ -94,8 +84,10 @@ def main() -> None:
                            **summarise(walls[setting]),
                            "speedup": base / statistics.median(walls[setting])}
                     if setting == "default":
-                        row["collector_ms_per_step"] = [round(1e3 * s / steps, 3) for s in clock.seconds]
-                        row["passes_per_step"] = [round(p / steps, 2) for p in clock.passes]
+                        row["collector_ms_per_step"] = [
+                            round(1e3 * sum(c.seconds[g] for c in clocks) / steps, 3) for g in range(3)]
+                        row["passes_per_step"] = [
+                            round(sum(c.counts[g] for c in clocks) / steps, 2) for g in range(3)]
                     rows.append(row)
                     extra = (f"; collector {row['collector_ms_per_step']} ms a step (gen 0/1/2)"
                              if setting == "default" else "")

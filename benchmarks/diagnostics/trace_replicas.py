@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import gc
 import io
 import pstats
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
 
 from benchmarks.bench_smc_vllm import UserSampler, smc
-from benchmarks.diagnostics._w1 import parse
+from benchmarks.diagnostics._w1 import CollectorClock, parse
 from benchmarks.models import workload
 
 
@@ -53,26 +52,6 @@ def per_batch(stats: dict) -> list[dict]:
                          for k, v in part.items() if k.endswith("_s")})
         out.append(line)
     return out
-
-
-class CollectorClock:
-    """Seconds this process spends in Python's collector, per generation (``gc.callbacks``)."""
-
-    def __init__(self):
-        self.seconds = [0.0, 0.0, 0.0]
-        self.counts = [0, 0, 0]
-        self._started = 0.0
-        gc.callbacks.append(self)
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds[info["generation"]] += time.perf_counter() - self._started
-            self.counts[info["generation"]] += 1
-
-    def close(self) -> None:
-        gc.callbacks.remove(self)
 
 
 class BatchClock:
