@@ -185,9 +185,10 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         )
         # A step whose every row is a held session continued by the next batch takes the
         # forced tokens as its sample, without vLLM's sampler (ForcedSampling).
-        self._forcing = (
-            internals.install_forced_sampling(engine, ForcedSampling()) if self._holds else None
-        )
+        self._forcing = internals.install_forced_sampling(engine, ForcedSampling()) if self._holds else None
+        # Steps of held sessions alone, each taking its forced token, skip vLLM's general
+        # scheduling and outputs (the remote route reads rows in update_from_output): steady.
+        self._steady = internals.install_steady_steps(engine) if self._holds and self._remote is None else None
         self.session_hold_s = float(session_hold_s)
         # Log-probability requests take one greedy token (without the capture processor they
         # ask vLLM to list every token's log-probability); a held session runs until parked

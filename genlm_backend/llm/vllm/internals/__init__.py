@@ -9,6 +9,7 @@ below as ``internals.X``; the modules split them by concern:
 * :mod:`.engine`: where the model runner and scheduler are, plain requests, aborts, stalls,
   engine-start preferences, shutdown;
 * :mod:`.sessions`: streaming-input sessions, parking, forced sampling, the CPU generator rewind;
+* :mod:`.steady`: steady held steps, which skip vLLM's general scheduling and outputs;
 * :mod:`.remote`: rows from engine workers in other processes;
 * :mod:`.lora`: LoRA refusals and the CPU base-row fix;
 * :mod:`.listed`: rows listed by vLLM (speculative decoding).
@@ -40,6 +41,13 @@ What is relied on:
   and then calls ``self.sample(logits, sampling_metadata)``, and the runner's bookkeeping
   copies the sampled tokens to the host through ``self._to_list`` (one ``[N, 1]`` tensor a
   step, async scheduling off). Without them the processor forces tokens in the logits.
+* Steady held steps (:func:`install_steady_steps`): a lockstep step of held sessions alone is
+  scheduled from the last plain ``SchedulerOutput`` with the scheduler's own
+  ``_update_after_schedule``, and its tokens are appended without outputs; the module's
+  docstring lists the scheduler, KV-cache manager and request parts this reads and writes.
+  Where any of them is missing, or the engine has parts it was not checked with, it is not
+  installed; where a field of the scheduler's output that it does not set is in use, every
+  step is vLLM's own.
 * Rows from engine workers in other processes (:func:`install_remote_capture`:
   ``tensor_parallel_size > 1`` or ``distributed_executor_backend="mp"``, with the engine core
   in this process): ``LLM.collective_rpc`` runs a function on every worker with the worker
@@ -118,6 +126,7 @@ from .sessions import (
     park,
     supports_sessions,
 )
+from .steady import install_steady_steps
 
 __all__ = [
     "CHECKED_VERSIONS",
@@ -135,6 +144,7 @@ __all__ = [
     "install_lora_base_rows",
     "install_parked_bypass",
     "install_remote_capture",
+    "install_steady_steps",
     "is_cuda_oom",
     "is_stalled",
     "lora_refusal",

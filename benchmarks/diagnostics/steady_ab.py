@@ -1,0 +1,103 @@
+"""What steady held steps (``internals.install_steady_steps``) give W1 and W5.
+
+Runs the workload of record (``bench_smc_vllm``'s W1 or W5 on the default constructor) in
+one process, run by run in turn (the order reversed every other repeat) with the steady
+path on (the default) and off (vLLM's own ``schedule`` and ``update_from_output`` for every
+step), and counts the steps each path took. Before timing, one seeded run each way keeps
+every row: they must be equal (``max_row_diff``; the steady path changes which code
+schedules a step, not what it computes). Prints a line per configuration and, with
+``--out-dir``, writes ``steady_ab_<gpu|cpu>.json`` (or ``--name``) there.
+
+    python benchmarks/diagnostics/steady_ab.py --gpu --tokenizer-dir DIR --particles 64 256
+    OMP_NUM_THREADS=1 python benchmarks/diagnostics/steady_ab.py --micro --particles 64 256 \\
+        --engine-opt max_num_seqs=1024
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
+
+from benchmarks.common import summarise, write_json
+from benchmarks.diagnostics._w1 import UserSampler, parse, run_ours, start
+
+MODES = ("on", "off")
+
+
+def switch(steady, mode: str) -> None:
+    scheduler = steady.scheduler
+    if mode == "on":
+        scheduler.schedule, scheduler.update_from_output = steady.schedule, steady.update_from_output
+    else:
+        scheduler.schedule, scheduler.update_from_output = steady.general_schedule, steady.general_update
+
+
+def kept_rows(lm, prompt, n, args, workload) -> list[torch.Tensor]:
+    """Every step's rows of one seeded run, on the CPU."""
+    sampler, rows = UserSampler(workload, lm.vocab_size, args.seed), []
+
+    async def program():
+        contexts = [list(prompt) for _ in range(n)]
+        for t in range(args.steps):
+            step = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            rows.append(torch.stack([r.float() for r in step]).cpu())
+            contexts = sampler.step(step, contexts, t)
+
+    asyncio.run(program())
+    return rows
+
+
+def main() -> None:
+    args = parse(sys.argv[1:])
+    lm, prompt = start(args)
+    steady = lm._steady
+    if steady is None:
+        raise SystemExit("the steady path is not installed on this engine")
+    results = []
+    try:
+        for workload in args.workloads:
+            for n in args.particles:
+                kept = {}
+                for mode in MODES:
+                    switch(steady, mode)
+                    lm.close_sessions()
+                    kept[mode] = kept_rows(lm, prompt, n, args, workload)
+                max_diff = max((a - b).abs().max().item() for a, b in zip(kept["on"], kept["off"]))
+                walls = {mode: [] for mode in MODES}
+                counts = [steady.num_steady, steady.num_general]
+                for repeat in range(args.repeats):
+                    for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
+                        switch(steady, mode)
+                        started = time.perf_counter()
+                        run_ours(lm, prompt, n, args, workload)
+                        walls[mode].append(time.perf_counter() - started)
+                num_steady, num_general = steady.num_steady - counts[0], steady.num_general - counts[1]
+                switch(steady, "on")
+                base = statistics.median(walls["off"])
+                for mode in MODES:
+                    row = {"workload": workload, "N": n, "T": args.steps, "steady": mode, **summarise(walls[mode]),
+                           "speedup_vs_off": base / statistics.median(walls[mode]), "max_row_diff": max_diff}
+                    if mode == "on":
+                        row["steady_steps_share"] = round(num_steady / max(num_steady + num_general, 1), 3)
+                    results.append(row)
+                    print(f"{workload} N={n} steady {mode}: wall median {row['median_s'] * 1e3:.1f} ms "
+                          f"(min {row['min_s'] * 1e3:.1f} max {row['max_s'] * 1e3:.1f}), "
+                          f"{row['speedup_vs_off']:.3f}x off; rows on/off differ by {max_diff:.3g}"
+                          + (f"; steady steps {row['steady_steps_share']:.0%}" if mode == "on" else ""), flush=True)
+    finally:
+        lm.cleanup()
+    if args.out_dir is not None:
+        name = args.name or f"steady_ab_{'gpu' if args.gpu else 'cpu'}"
+        write_json(name, {"config": {k: v for k, v in vars(args).items() if k != "serve"}, "rows": results},
+                   args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
