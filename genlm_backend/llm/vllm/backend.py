@@ -187,8 +187,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         # forced tokens as its sample, without vLLM's sampler (ForcedSampling).
         self._forcing = internals.install_forced_sampling(engine, ForcedSampling()) if self._holds else None
         # Steps of held sessions alone, each taking its forced token, skip vLLM's general
-        # scheduling and outputs (the remote route reads rows in update_from_output): steady.
-        self._steady = internals.install_steady_steps(engine) if self._holds and self._remote is None else None
+        # scheduling and outputs: steady steps (not where rows are read at the update).
+        self._steady = internals.install_steady_steps(engine) if self._holds else None
         self.session_hold_s = float(session_hold_s)
         # Log-probability requests take one greedy token (without the capture processor they
         # ask vLLM to list every token's log-probability); a held session runs until parked

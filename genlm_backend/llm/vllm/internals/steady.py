@@ -54,7 +54,8 @@ def install_steady_steps(engine: Any) -> Any:
     :class:`SteadySteps` installed (with its counts), or None where the engine is not one
     this was checked on: no scheduler in this process, async scheduling, pipeline
     parallelism, speculative decoding, a KV connector, statistics logging, deferred block
-    frees, or a KV cache that is not one full-attention group."""
+    frees, a KV cache that is not one full-attention group, or rows read from each step's
+    output (:mod:`.remote` where the rows come after sampling)."""
     scheduler = _scheduler(engine)
     if scheduler is None:
         return None
@@ -62,8 +63,8 @@ def install_steady_steps(engine: Any) -> Any:
     if installed is not None:
         return installed
     block_size = _full_attention_block_size(scheduler)
-    if block_size is None or not _plain_scheduler(scheduler):
-        return None
+    if block_size is None or not _plain_scheduler(scheduler) or hasattr(scheduler, "_genlm_before_update"):
+        return None  # (hooks that read each step's output: the steady update would skip them)
     steady = SteadySteps(scheduler, block_size)
     scheduler.schedule = steady.schedule
     scheduler.update_from_output = steady.update_from_output
