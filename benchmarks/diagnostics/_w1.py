@@ -15,6 +15,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
 
 from benchmarks.bench_smc_vllm import UserSampler, parse_args, smc
+from benchmarks.common import write_json
 from benchmarks.models import workload
 
 
@@ -54,6 +55,15 @@ def run_floor(lm: Any, prompt: list[int], n: int, args: argparse.Namespace) -> N
     lm.close_sessions()  # llm.generate would wait for the parked sessions
     params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
     lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+
+
+def write_rows(args: argparse.Namespace, prefix: str, rows: list[dict]) -> None:
+    """With ``--out-dir``: the flags and ``rows`` as ``<prefix>_<gpu|cpu>.json`` (or
+    ``--name``) there."""
+    if args.out_dir is not None:
+        name = args.name or f"{prefix}_{'gpu' if args.gpu else 'cpu'}"
+        config = {k: v for k, v in vars(args).items() if k != "serve"}
+        write_json(name, {"config": config, "rows": rows}, args.out_dir)
 
 
 class CollectorClock:

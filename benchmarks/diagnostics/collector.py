@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
 
-from benchmarks.common import summarise, write_json
-from benchmarks.diagnostics._w1 import CollectorClock, parse, run_ours, start
+from benchmarks.common import summarise
+from benchmarks.diagnostics._w1 import CollectorClock, parse, run_ours, start, write_rows
 
 SETTINGS = ("default", "fewer", "off")
 
@@ -96,10 +96,7 @@ def main() -> None:
                           f"{row['speedup']:.3f}x the default{extra}", flush=True)
     finally:
         lm.cleanup()
-    if args.out_dir is not None:
-        name = args.name or f"collector_{'gpu' if args.gpu else 'cpu'}"
-        write_json(name, {"config": {k: v for k, v in vars(args).items() if k != "serve"}, "rows": rows},
-                   args.out_dir)
+    write_rows(args, "collector", rows)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
 
-from benchmarks.common import summarise, write_json
-from benchmarks.diagnostics._w1 import UserSampler, parse, run_ours, start
+from benchmarks.common import summarise
+from benchmarks.diagnostics._w1 import UserSampler, parse, run_ours, start, write_rows
 
 MODES = ("on", "off")
 
@@ -94,10 +94,7 @@ def main() -> None:
                           + (f"; steady steps {row['steady_steps_share']:.0%}" if mode == "on" else ""), flush=True)
     finally:
         lm.cleanup()
-    if args.out_dir is not None:
-        name = args.name or f"steady_ab_{'gpu' if args.gpu else 'cpu'}"
-        write_json(name, {"config": {k: v for k, v in vars(args).items() if k != "serve"}, "rows": results},
-                   args.out_dir)
+    write_rows(args, "steady_ab", results)
 
 
 if __name__ == "__main__":

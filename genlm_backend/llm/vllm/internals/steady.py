@@ -20,9 +20,10 @@ queues of :func:`.sessions.install_parked_bypass` with ``num_waiting_for_streami
 ``finished_req_ids``, ``reset_preempted_req_ids``, ``current_step``, ``max_model_len``,
 ``max_num_scheduled_tokens``, ``kv_cache_manager`` (``new_step_starts``, ``allocate_slots(
 request, num_new_tokens, num_lookahead_tokens=...)`` returning blocks with
-``get_block_ids(allow_none=True)``, ``block_pool.get_num_free_blocks()``), ``kv_cache_config.kv_cache_groups`` with one
-full-attention spec; ``SchedulerOutput`` a dataclass and ``CachedRequestData`` with the
-fields built below; ``Request.num_tokens``, ``num_computed_tokens``,
+``get_block_ids(allow_none=True)``, ``block_pool.get_num_free_blocks()``),
+``kv_cache_config.kv_cache_groups`` with one full-attention spec; ``Request.resumable`` and
+its parameters' ``output_kind`` (a held session's); ``SchedulerOutput`` a dataclass and
+``CachedRequestData`` with the fields built below; ``Request.num_tokens``, ``num_computed_tokens``,
 ``num_output_placeholders``, ``spec_token_ids``, ``num_in_flight_tokens``, ``max_tokens``,
 ``num_output_tokens``, ``append_output_token_ids``; and vLLM's stop check (``check_stop``:
 the end-of-sequence id of the request's parameters, ``stop_token_ids``, ``max_tokens``,
@@ -46,6 +47,9 @@ _SET_HERE = frozenset({
     "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",
     "num_common_prefix_blocks", "finished_req_ids", "free_encoder_mm_hashes",
 })
+# The scheduler's waiting queues (0.26 and 0.32), and what its update reports beside outputs.
+_QUEUES = ("waiting", "skipped_waiting", "kv_holding_waiting")
+_REPORTS = ("finished_req_ids_dict", "grammar_compile_error_reqs", "encoder_cache_mismatch_reqs")
 
 
 def install_steady_steps(engine: Any) -> Any:
@@ -63,8 +67,10 @@ def install_steady_steps(engine: Any) -> Any:
     if installed is not None:
         return installed
     block_size = _full_attention_block_size(scheduler)
-    if block_size is None or not _plain_scheduler(scheduler) or hasattr(scheduler, "_genlm_before_update"):
-        return None  # (hooks that read each step's output: the steady update would skip them)
+    if block_size is None or not _plain_scheduler(scheduler):
+        return None
+    if hasattr(scheduler, "_genlm_before_update"):
+        return None  # hooks read each step's output, which a steady update does not make
     steady = SteadySteps(scheduler, block_size)
     scheduler.schedule = steady.schedule
     scheduler.update_from_output = steady.update_from_output
@@ -74,7 +80,9 @@ def install_steady_steps(engine: Any) -> Any:
 
 def _full_attention_block_size(scheduler: Any) -> int | None:
     groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None)
-    if not groups or len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+    if not groups or len(groups) != 1:
+        return None
+    if type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
         return None
     block_size = groups[0].kv_cache_spec.block_size
     if getattr(scheduler, "hash_block_size", block_size) != block_size:
@@ -164,17 +172,19 @@ class SteadySteps:
         having changed nothing."""
         scheduler = self.scheduler
         running = scheduler.running
-        queued = sum(len(getattr(scheduler, name, ())) for name in ("waiting", "skipped_waiting", "kv_holding_waiting"))
-        if (not running or queued != scheduler.num_waiting_for_streaming_input
-                or scheduler.reset_preempted_req_ids or len(running) > scheduler.max_num_scheduled_tokens):
+        queued = sum(len(getattr(scheduler, name, ())) for name in _QUEUES)
+        if (not running or queued != scheduler.num_waiting_for_streaming_input  # parked only
+                or scheduler.reset_preempted_req_ids
+                or len(running) > scheduler.max_num_scheduled_tokens):
             return None
-        last_ran, block_size, limit = self._last.num_scheduled_tokens, self.block_size, scheduler.max_model_len - 1
+        last_ran, block_size = self._last.num_scheduled_tokens, self.block_size
+        limit = scheduler.max_model_len - 1
         final_only = RequestOutputKind.FINAL_ONLY
         edges = []  # requests whose token starts a block (a new one) or fills it (cached)
         for i, request in enumerate(running):
             computed = request.num_computed_tokens
-            if (request.request_id not in last_ran or request.num_tokens - computed != 1 or computed >= limit
-                    or request.num_output_placeholders or request.spec_token_ids
+            if (request.request_id not in last_ran or request.num_tokens - computed != 1
+                    or computed >= limit or request.num_output_placeholders or request.spec_token_ids
                     or not request.resumable or request.sampling_params.output_kind is not final_only):
                 return None
             if computed % block_size == 0 or (computed + 1) % block_size == 0:
@@ -203,13 +213,15 @@ class SteadySteps:
             common = manager.get_num_common_prefix_blocks(sessions[0].request_id)
         ids = [r.request_id for r in sessions]
         cached = CachedRequestData(
-            req_ids=ids, resumed_req_ids=set(), new_token_ids=[], all_token_ids={}, new_block_ids=new_block_ids,
+            req_ids=ids, resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
+            new_block_ids=new_block_ids,
             num_computed_tokens=[r.num_computed_tokens for r in sessions],
             num_output_tokens=[r.num_output_tokens for r in sessions],
         )
         output = dataclasses.replace(
-            self._template, scheduled_cached_reqs=cached, num_scheduled_tokens=dict.fromkeys(ids, 1),
-            total_num_scheduled_tokens=len(ids), num_common_prefix_blocks=common,
+            self._template, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict.fromkeys(ids, 1), total_num_scheduled_tokens=len(ids),
+            num_common_prefix_blocks=common,
             finished_req_ids=scheduler.finished_req_ids,
             free_encoder_mm_hashes=scheduler.encoder_cache_manager.get_freed_mm_hashes(),
         )
@@ -220,8 +232,7 @@ class SteadySteps:
         """Appends each session's one sampled token where none of them stops (vLLM's
         ``check_stop``) and the scheduler has nothing else to report; else changes nothing."""
         scheduler = self.scheduler
-        if (getattr(scheduler, "finished_req_ids_dict", None) or getattr(scheduler, "grammar_compile_error_reqs", None)
-                or getattr(scheduler, "encoder_cache_mismatch_reqs", None)):
+        if any(getattr(scheduler, name, None) for name in _REPORTS):
             return False
         sampled, index = model_runner_output.sampled_token_ids, model_runner_output.req_id_to_index
         length_limit = scheduler.max_model_len - 1
@@ -230,8 +241,10 @@ class SteadySteps:
             new = sampled[index[request.request_id]]
             params = request.sampling_params
             if (len(new) != 1 or request.is_finished() or new[0] == params.eos_token_id
-                    or params.stop_token_ids or params.min_tokens or params.repetition_detection is not None
-                    or request.num_output_tokens + 1 >= request.max_tokens or request.num_tokens >= length_limit):
+                    or params.stop_token_ids or params.min_tokens
+                    or params.repetition_detection is not None
+                    or request.num_output_tokens + 1 >= request.max_tokens
+                    or request.num_tokens >= length_limit):
                 return False
             tokens.append(new[0])
         for request, token in zip(self._sessions, tokens):
@@ -242,4 +255,5 @@ class SteadySteps:
 
 def _is_session(request: Any) -> bool:
     """A held session's request: resumable, its outputs only at a chunk's end."""
-    return getattr(request, "resumable", False) and request.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
+    final_only = RequestOutputKind.FINAL_ONLY
+    return getattr(request, "resumable", False) and request.sampling_params.output_kind is final_only
