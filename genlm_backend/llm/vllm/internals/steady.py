@@ -152,9 +152,8 @@ class SteadySteps:
     def _plain_sessions(self, output: Any) -> list[Any] | None:
         """The requests of ``output`` where it is a decode step of held sessions alone, one
         token each, with nothing else to do; else None."""
-        cached = output.scheduled_cached_reqs
-        if (output.scheduled_new_reqs or cached.resumed_req_ids or cached.new_token_ids
-                or cached.all_token_ids or output.preempted_req_ids):
+        cached = output.scheduled_cached_reqs  # (the other fields: empty, checked below)
+        if cached.resumed_req_ids or cached.new_token_ids or cached.all_token_ids:
             return None
         for field in dataclasses.fields(output):
             if field.name not in _SET_HERE and getattr(output, field.name):
@@ -179,18 +178,19 @@ class SteadySteps:
             return None
         last_ran, block_size = self._last.num_scheduled_tokens, self.block_size
         limit = scheduler.max_model_len - 1
-        final_only = RequestOutputKind.FINAL_ONLY
         edges = []  # requests whose token starts a block (a new one) or fills it (cached)
+        num_new_blocks = 0
         for i, request in enumerate(running):
             computed = request.num_computed_tokens
             if (request.request_id not in last_ran or request.num_tokens - computed != 1
                     or computed >= limit or request.num_output_placeholders or request.spec_token_ids
-                    or not request.resumable or request.sampling_params.output_kind is not final_only):
+                    or not _is_session(request)):
                 return None
-            if computed % block_size == 0 or (computed + 1) % block_size == 0:
+            starts = computed % block_size == 0
+            if starts or (computed + 1) % block_size == 0:
                 edges.append(i)
+                num_new_blocks += starts
         manager = scheduler.kv_cache_manager
-        num_new_blocks = sum(1 for i in edges if running[i].num_computed_tokens % block_size == 0)
         if num_new_blocks > manager.block_pool.get_num_free_blocks():
             return None  # vLLM's step preempts
         scheduler.current_step += 1
