@@ -57,6 +57,50 @@ def run_floor(lm: Any, prompt: list[int], n: int, args: argparse.Namespace) -> N
     lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
 
 
+def kept_rows(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str) -> list[Any]:
+    """Every step's rows of one seeded run of the workload, on the CPU (float32)."""
+    import torch
+
+    sampler, rows = UserSampler(workload, lm.vocab_size, args.seed), []
+
+    async def program():
+        contexts = [list(prompt) for _ in range(n)]
+        for t in range(args.steps):
+            step = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            rows.append(torch.stack([r.float() for r in step]).cpu())
+            contexts = sampler.step(step, contexts, t)
+
+    asyncio.run(program())
+    return rows
+
+
+def row_difference(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str,
+                   switch: Callable[[str], None], modes: tuple[str, str]) -> float:
+    """After a warm-up run (the prompt's blocks then cached for both modes), one seeded run
+    in each of ``modes`` from fresh sessions: the largest difference between their rows."""
+    run_ours(lm, prompt, n, args, workload)
+    kept = []
+    for mode in modes:
+        switch(mode)
+        lm.close_sessions()
+        kept.append(kept_rows(lm, prompt, n, args, workload))
+    return max((a - b).abs().max().item() for a, b in zip(*kept))
+
+
+def alternate(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str,
+              switch: Callable[[str], None], modes: tuple[str, str]) -> dict[str, list[float]]:
+    """Walls of ``args.repeats`` runs in each of ``modes``, run by run in turn (the order
+    reversed every other repeat); ``switch(mode)`` before each run."""
+    walls: dict[str, list[float]] = {mode: [] for mode in modes}
+    for repeat in range(args.repeats):
+        for mode in modes if repeat % 2 == 0 else modes[::-1]:
+            switch(mode)
+            started = time.perf_counter()
+            run_ours(lm, prompt, n, args, workload)
+            walls[mode].append(time.perf_counter() - started)
+    return walls
+
+
 def write_rows(args: argparse.Namespace, prefix: str, rows: list[dict]) -> None:
     """With ``--out-dir``: the flags and ``rows`` as ``<prefix>_<gpu|cpu>.json`` (or
     ``--name``) there."""

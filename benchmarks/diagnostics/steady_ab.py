@@ -15,18 +15,14 @@ schedules a step, not what it computes). Prints a line per configuration and, wi
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
 
 from benchmarks.common import summarise
-from benchmarks.diagnostics._w1 import UserSampler, parse, run_ours, start, write_rows
+from benchmarks.diagnostics._w1 import alternate, parse, row_difference, start, write_rows
 
 MODES = ("on", "off")
 
@@ -39,21 +35,6 @@ def switch(steady, mode: str) -> None:
         scheduler.schedule, scheduler.update_from_output = steady.general_schedule, steady.general_update
 
 
-def kept_rows(lm, prompt, n, args, workload) -> list[torch.Tensor]:
-    """Every step's rows of one seeded run, on the CPU."""
-    sampler, rows = UserSampler(workload, lm.vocab_size, args.seed), []
-
-    async def program():
-        contexts = [list(prompt) for _ in range(n)]
-        for t in range(args.steps):
-            step = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
-            rows.append(torch.stack([r.float() for r in step]).cpu())
-            contexts = sampler.step(step, contexts, t)
-
-    asyncio.run(program())
-    return rows
-
-
 def main() -> None:
     args = parse(sys.argv[1:])
     lm, prompt = start(args)
@@ -64,21 +45,9 @@ def main() -> None:
     try:
         for workload in args.workloads:
             for n in args.particles:
-                run_ours(lm, prompt, n, args, workload)  # warm-up: the prompt's blocks cached for both
-                kept = {}
-                for mode in MODES:
-                    switch(steady, mode)
-                    lm.close_sessions()
-                    kept[mode] = kept_rows(lm, prompt, n, args, workload)
-                max_diff = max((a - b).abs().max().item() for a, b in zip(kept["on"], kept["off"]))
-                walls = {mode: [] for mode in MODES}
+                max_diff = row_difference(lm, prompt, n, args, workload, lambda mode: switch(steady, mode), MODES)
                 counts = [steady.num_steady, steady.num_general]
-                for repeat in range(args.repeats):
-                    for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
-                        switch(steady, mode)
-                        started = time.perf_counter()
-                        run_ours(lm, prompt, n, args, workload)
-                        walls[mode].append(time.perf_counter() - started)
+                walls = alternate(lm, prompt, n, args, workload, lambda mode: switch(steady, mode), MODES)
                 num_steady, num_general = steady.num_steady - counts[0], steady.num_general - counts[1]
                 switch(steady, "on")
                 base = statistics.median(walls["off"])

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from .._engine_thread import EngineThread
+from .._queued import failed, running_loop
 from .._sync import run_sync
 from ..batching import INLINE, Batcher
 from ..cache import OutputCache
@@ -151,15 +153,19 @@ class AsyncLM(Adapters, ABC):
 
     # ---- log-probabilities ------------------------------------------------------------
 
-    async def next_token_logprobs(self, token_ids: Any, lora_name: str | None = None) -> torch.Tensor:
-        """Log-probabilities of the next token after ``token_ids``; auto-batched.
+    def next_token_logprobs(self, token_ids: Any, lora_name: str | None = None) -> Awaitable[torch.Tensor]:
+        """Log-probabilities of the next token after ``token_ids``; auto-batched. Await it as
+        an ``async def``'s coroutine. Inside a running loop (no output cache) the request is
+        queued at the call and its future returned: ``asyncio.gather`` takes it without a
+        task, ``create_task`` and ``TaskGroup`` as a coroutine. Errors come from the await.
 
         Args:
             token_ids: the prompt, a non-empty sequence of token ids in ``[0, V)``.
             lora_name: the adapter for this call; None uses the active one (``set_lora``).
 
         Returns:
-            A float32 tensor ``[V]`` of normalised log-probabilities, the caller's own copy.
+            A float32 tensor ``[V]`` of normalised log-probabilities (once awaited), the
+            caller's own copy.
 
         Raises:
             InvalidRequestError: empty prompt, id outside ``[0, V)``, prompt too long,
@@ -168,10 +174,19 @@ class AsyncLM(Adapters, ABC):
             ClosedError: the model was cleaned up.
             EngineError: the engine failed on this request's batch.
         """
-        request = self._request(token_ids, lora_name)
-        if self.cache is None:  # the hot path of samplers: no coroutine but this one
-            return await self._logprobs_batcher.enqueue(request)
-        return await self._logprobs(request, use_cache=True)
+        loop = running_loop()
+        if loop is None or self.cache is not None:
+            return self._next_token_logprobs(token_ids, lora_name)
+        try:  # the hot path of samplers: no coroutine, no task
+            return self._logprobs_batcher.enqueue(self._request(token_ids, lora_name))
+        except Exception as error:  # noqa: BLE001 - raised by the await, as by an async def
+            return failed(loop, error)
+
+    if hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+: inspect still calls it async
+        next_token_logprobs = inspect.markcoroutinefunction(next_token_logprobs)
+
+    async def _next_token_logprobs(self, token_ids: Any, lora_name: str | None) -> torch.Tensor:
+        return await self._logprobs(self._request(token_ids, lora_name), use_cache=True)
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Iterable[Any], lora_name: str | None = None
@@ -271,9 +286,8 @@ class AsyncLM(Adapters, ABC):
         eos = self._eos_set(eos_token_ids)
         check_max_tokens(max_tokens)
         check_temperature(temperature)
-        generator = torch.Generator().manual_seed(
-            seed if seed is not None else int.from_bytes(os.urandom(8), "big") >> 1
-        )
+        seed = seed if seed is not None else int.from_bytes(os.urandom(8), "big") >> 1
+        generator = torch.Generator().manual_seed(seed)
         context, sampled = list(prompt), []
         for _ in range(max_tokens):
             logprobs = await self.next_token_logprobs(context)
@@ -298,14 +312,9 @@ class AsyncLM(Adapters, ABC):
         reproducible and identical prompts still get independent samples.
         """
         prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, None)]
-        return list(
-            await asyncio.gather(
-                *(
-                    self.sample(p, max_tokens, eos_token_ids, temperature, None if seed is None else seed + i)
-                    for i, p in enumerate(prompts)
-                )
-            )
-        )
+        seeds = [None if seed is None else seed + i for i in range(len(prompts))]
+        samples = (self.sample(p, max_tokens, eos_token_ids, temperature, s) for p, s in zip(prompts, seeds))
+        return list(await asyncio.gather(*samples))
 
     _draw_thread: EngineThread | None = None  # started by the first draw
 
@@ -321,8 +330,7 @@ class AsyncLM(Adapters, ABC):
         return asyncio.wrap_future(self._draw_thread.submit(_draw_token, logprobs, temperature, generator))
 
     def _eos_set(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
-        if isinstance(eos_token_ids, int):
-            eos_token_ids = [eos_token_ids]
+        eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
         if eos_token_ids is None:
             return frozenset()
         return frozenset(check_token_ids(list(eos_token_ids), self.vocab_size, None, allow_empty=True))

@@ -1,0 +1,60 @@
+"""The future of one queued request, which asyncio also accepts where it takes a coroutine.
+
+``asyncio.gather`` wraps every coroutine it is given in a task: a task object, a first step
+scheduled on the loop and a wake-up when the result arrives, for each particle of a
+lockstep program at every step. A future it takes as it is. :class:`QueuedResult` is the
+loop future the batcher resolves, so ``await`` and ``gather`` pay no task; and it answers
+the coroutine protocol (``send``, ``throw``, ``close``, registered as a
+``collections.abc.Coroutine``), so ``asyncio.create_task``, ``TaskGroup.create_task`` and
+``loop.run_until_complete`` take it as they take the coroutine of an ``async def``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+from collections.abc import Generator
+from typing import Any
+
+__all__ = ["QueuedResult", "failed", "running_loop"]
+
+
+class QueuedResult(asyncio.Future):
+    """A loop future that a task can also drive as its coroutine: the task's ``send`` and
+    ``throw`` go to the future's own ``__await__`` steps, which yield the future until it
+    is done and then return its result (or raise its exception)."""
+
+    _steps: Generator[Any, None, Any] | None = None
+
+    def send(self, value: Any) -> Any:
+        if self._steps is None:
+            self._steps = self.__await__()
+        return self._steps.send(value)
+
+    def throw(self, *exc_info: Any) -> Any:
+        if self._steps is None:
+            self._steps = self.__await__()
+        return self._steps.throw(*exc_info)
+
+    def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
+
+
+collections.abc.Coroutine.register(QueuedResult)
+
+
+def failed(loop: asyncio.AbstractEventLoop, error: BaseException) -> QueuedResult:
+    """A :class:`QueuedResult` that raises ``error`` where it is awaited (as an ``async
+    def`` raises in its caller's await, not at the call)."""
+    result = QueuedResult(loop=loop)
+    result.set_exception(error)
+    return result
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, or None."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
