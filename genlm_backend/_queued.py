@@ -13,32 +13,26 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
-from collections.abc import Generator
 from typing import Any
 
 __all__ = ["QueuedResult", "failed", "running_loop"]
 
 
 class QueuedResult(asyncio.Future):
-    """A loop future that a task can also drive as its coroutine: the task's ``send`` and
-    ``throw`` go to the future's own ``__await__`` steps, which yield the future until it
-    is done and then return its result (or raise its exception)."""
-
-    _steps: Generator[Any, None, Any] | None = None
+    """A loop future that a task can also drive as its coroutine: each ``send`` or
+    ``throw`` of the task goes to a fresh ``__await__`` step of the future, which yields the
+    future while it is pending and returns its result (or raises its exception) once it is
+    done. A task resumes its coroutine only when the future it waits on is done, so no step
+    is ever left suspended: nothing is kept between calls."""
 
     def send(self, value: Any) -> Any:
-        if self._steps is None:
-            self._steps = self.__await__()
-        return self._steps.send(value)
+        return self.__await__().send(value)
 
     def throw(self, *exc_info: Any) -> Any:
-        if self._steps is None:
-            self._steps = self.__await__()
-        return self._steps.throw(*exc_info)
+        return self.__await__().throw(*exc_info)
 
     def close(self) -> None:
-        if self._steps is not None:
-            self._steps.close()
+        """Nothing to close (no step is kept)."""
 
 
 collections.abc.Coroutine.register(QueuedResult)
