@@ -3,7 +3,7 @@
 Every row is compared with a plain transformers forward pass of the whole context (same
 tolerance as ``test_vllm.py``: fp32 kernels differ by rounding only, <= 1e-4), so a session
 that appended a token to the wrong context, or a row that went to the wrong caller, fails.
-The shared engine has ``max_num_seqs=8``: at most 7 live sessions.
+The shared engine has ``max_num_seqs=8``: at most 8 live sessions.
 """
 
 from __future__ import annotations
@@ -240,13 +240,40 @@ async def test_sessions_are_bounded_and_evicted_least_recently_used_first(vlm, h
     assert sessions(vlm)["num_live"] == 0
 
 
+async def test_as_many_particles_as_engine_slots_all_continue_held_sessions(vlm, hf_reference):
+    # max_num_seqs particles, one session each: every step after the first continues all of
+    # them (with a slot kept spare, one particle a step ran as a new plain request).
+    contexts = prompts_of([5, 6, 7, 8, 9, 10, 11, 12], seed=44)
+    before = sessions(vlm)
+    final, rows = await lockstep(vlm, contexts, 4)
+    for context, row in zip(final, rows):
+        assert_matches(row, hf_reference("base", context))
+    after = sessions(vlm)
+    assert after["num_opened"] - before["num_opened"] == 8
+    assert after["num_continued"] - before["num_continued"] == 8 * 3
+
+
+async def test_parked_sessions_give_their_slots_to_sampling(vlm):
+    prompts = prompts_of([4, 5, 6, 7], seed=45)
+    expected = await vlm.batch_sample(prompts, 4, [], seed=3)  # no session holds a slot
+    await lockstep(vlm, prompts_of([6] * 8, seed=46), 2)
+    park_sessions(vlm)
+    assert sessions(vlm)["num_live"] >= 7  # parked sessions hold all slots, or all but one
+    steps = vlm.stats()["engine"]["num_steps"]
+    samples = await asyncio.wait_for(vlm.batch_sample(prompts, 4, [], seed=3), timeout=120)
+    assert samples == expected
+    # The four samples share their steps (one at a time, in one free slot, took 16).
+    assert vlm.stats()["engine"]["num_steps"] - steps <= 5
+    assert sessions(vlm)["num_live"] <= 4  # the least recently used made room
+
+
 async def test_more_particles_than_engine_slots_still_make_progress(vlm, hf_reference):
-    # 12 particles, 7 session slots: the rest run as plain requests; nothing waits forever.
+    # 12 particles, 8 session slots: the rest run as plain requests; nothing waits forever.
     contexts = prompts_of([6] * 12, seed=34)
     final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 3), timeout=120)
     for context, row in zip(final, rows):
         assert_matches(row, hf_reference("base", context))
-    assert sessions(vlm)["num_live"] <= 7
+    assert sessions(vlm)["num_live"] <= 8
     # Sampling still finds a free slot while sessions are parked.
     assert len(await asyncio.wait_for(vlm.sample(contexts[0], 4, [], seed=0), timeout=60)) == 4
 

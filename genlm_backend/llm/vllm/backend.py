@@ -114,7 +114,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
             engine up to ``max(batch_size, 1024)`` at a time, so one ``batch_sample`` is
             one engine call that vLLM schedules as it sees fit.
         sessions: keep log-probability requests alive as engine sessions that later
-            requests extend token by token (True, the default: up to ``max_num_seqs - 1``
+            requests extend token by token (True, the default: up to ``max_num_seqs``
             live sessions; an int: at most that many; False or 0: every request is a new
             engine request). Live sessions hold engine slots and KV blocks: call
             :meth:`close_sessions` before driving :attr:`llm` yourself (its
@@ -167,7 +167,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         self._lora_requests: dict[str, Any] = {}
         self._runner.check_lora = self._check_lora  # jobs whose adapter was removed meanwhile fail
         engine = llm.llm_engine
-        self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs) - 1
+        self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs)
         internals.install_chunk_max_tokens(engine)  # a resumed session is held again
         internals.install_parked_bypass(engine)  # parked sessions cost no scheduler time
         internals.install_cpu_generator_rewind(engine)  # seeded prompts split over steps
@@ -209,7 +209,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
             self._sink.on_step = self._on_step
         self._runner.on_retry = self._on_retry
         self.set_sessions(sessions)
-        self._runner.on_stall = self._sessions.free_parked
+        self._runner.free_parked = self._sessions.free_parked
         # A sampling batch is one engine call that vLLM schedules continuously: capping it at
         # ``batch_size`` would run the chunks of one ``batch_sample`` one after another.
         self._sample_batcher = Batcher(
@@ -305,7 +305,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
 
 
     def set_sessions(self, sessions: bool | int) -> None:
-        """Turns engine sessions on (True: up to ``max_num_seqs - 1``; an int: at most that
+        """Turns engine sessions on (True: up to ``max_num_seqs``; an int: at most that
         many) or off (False or 0: live ones are closed at once).
 
         Raises:

@@ -18,11 +18,9 @@ from typing import Any
 import torch
 
 from ...exceptions import EngineError, InvalidRequestError
-from ..prompts import LogprobsRequest
 from . import internals
-from .sessions import Session, SessionPool
 
-__all__ = ["Continued", "EngineJob", "EngineRunner", "RowBatch"]
+__all__ = ["EngineJob", "EngineRunner", "RowBatch"]
 
 _PENDING = object()
 
@@ -116,9 +114,11 @@ class EngineRunner:
         self._ids = itertools.count()
         # Tests replace this to inject failures: (jobs) -> None, runs before each attempt.
         self.before_attempt: Callable[[Sequence[EngineJob]], None] | None = None
-        # Called when the scheduler stalls (waiting requests, none running): frees parked
-        # sessions that are not part of ``jobs``.
-        self.on_stall: Callable[[Sequence[EngineJob]], bool] | None = None
+        # (jobs, limit) -> whether any went: closes parked sessions that are not part of
+        # ``jobs``, least recently used first, at most ``limit`` of them (None: all). Called
+        # when the scheduler stalls (waiting requests, none running), and before jobs that add
+        # more requests than the scheduler has free slots (parked sessions hold slots).
+        self.free_parked: Callable[[Sequence[EngineJob], int | None], bool] | None = None
         self.stall_timeout_s = 60.0
         # (job, RequestOutput) -> result, for jobs without their own ``convert``.
         self.default_convert: Callable[[EngineJob, Any], Any] = lambda job, output: output
@@ -137,7 +137,7 @@ class EngineRunner:
 
         ``batch``: the log-probability batch the jobs deliver to; an engine step may then
         wait for the next batch once every request of it has its result (:meth:`can_hold`).
-        ``continued``: the batch's continuations (:class:`Continued`),
+        ``continued``: the batch's continuations (:class:`.logprobs.Continued`),
         requests with no job that the engine's running requests answer: the engine is
         stepped until they have their rows too.
         """
@@ -208,6 +208,7 @@ class EngineRunner:
         uncounted: set[str] = set()  # requests added here whose prompt is not in the stats yet
         try:
             self._flush_aborts(engine)
+            self._make_room(engine, jobs)
             for job in jobs:
                 refusal = None if job.lora_request is None else self.check_lora(job.lora_request)
                 if refusal is not None:  # its adapter was removed since the job was made
@@ -265,6 +266,17 @@ class EngineRunner:
             if ids:
                 internals.abort_requests(engine, ids)
 
+    def _make_room(self, engine: Any, jobs: Sequence[EngineJob]) -> None:
+        """Closes parked sessions where ``jobs`` add more requests (plain ones, new sessions'
+        first chunks) than the scheduler has free slots: a request that finds none waits
+        for a running one to end, and parked sessions never end by themselves."""
+        added = sum(1 for job in jobs if job.stream_request is None and not job.is_done)
+        if not added or self.free_parked is None:
+            return
+        free = internals.free_slots(engine)
+        if free is not None and added > free:
+            self.free_parked(jobs, added - free)
+
     def _check_stall(self, engine: Any, jobs: Sequence[EngineJob], outputs: Any, since: float | None) -> float | None:
         """Waiting requests and none running: parked sessions may hold every slot or block (or
         a grammar is still compiling). Frees parked sessions at once; a stall that outlives
@@ -273,8 +285,8 @@ class EngineRunner:
             return None
         now = time.perf_counter()
         if since is None:
-            if self.on_stall is not None:
-                self.on_stall(jobs)
+            if self.free_parked is not None:
+                self.free_parked(jobs, None)
             return now
         if now - since > self.stall_timeout_s:
             raise EngineError(f"the engine scheduled nothing for {self.stall_timeout_s} s: its slots or KV "
@@ -345,55 +357,3 @@ def _invalid(exc: BaseException) -> InvalidRequestError:
     error = InvalidRequestError(f"vLLM refused the request: {exc}")
     error.__cause__ = exc
     return error
-
-
-class Continued:
-    """The continuations of one batch, as the runner sees them: no engine request of their
-    own (their rows come from their sessions' next step), until a failure turns the ones
-    still waiting into plain requests (:meth:`take_jobs`)."""
-
-    @classmethod
-    def of(cls, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
-           make_job: Callable[[LogprobsRequest, int], Any]) -> Continued | None:
-        """The continuations of a planned batch (None if it has none)."""
-        if not any(type(entry) is Session for entry in plan):
-            return None
-        return cls(pool, requests, plan, batch, make_job)
-
-    def __init__(self, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
-                 make_job: Callable[[LogprobsRequest, int], Any]):
-        self._pool, self._requests, self._plan, self._batch = pool, requests, plan, batch
-        self._make_job = make_job
-        self._taken = False
-
-    def _waiting(self) -> list[tuple[int, Session]]:
-        if self._taken or self._batch.left == 0:
-            return []
-        return [(i, s) for i, s in enumerate(self._plan) if type(s) is Session and not self._batch.has(i)]
-
-    def any_waiting(self) -> bool:
-        """Some continuation may still wait for its row: the batch is not complete (the
-        runner asks while the batch's own jobs are done or not yet added)."""
-        return not self._taken and self._batch.left > 0
-
-    def stream_ids(self) -> list[str]:
-        """The engine requests of the sessions whose row is still awaited (to abort)."""
-        return [s.request_id for _, s in self._waiting()]
-
-    def fail(self, make_error: Callable[[], BaseException]) -> None:
-        """Closes the sessions still owing a row; their requests get ``make_error()``."""
-        for i in self._close_waiting():
-            self._batch.set(i, make_error())
-
-    def take_jobs(self) -> list[Any]:
-        """Closes the sessions still owing a row and returns plain jobs for their requests."""
-        return [self._make_job(self._requests[i], i) for i in self._close_waiting()]
-
-    def _close_waiting(self) -> list[int]:
-        """Closes the sessions still owing a row (from now on the runner owns their
-        requests); returns those requests' indices."""
-        waiting = self._waiting()
-        self._taken = True
-        for _, session in waiting:
-            self._pool.close(session)
-        return [i for i, _ in waiting]

@@ -6,6 +6,7 @@ sessions; the holds between steps; and the rows vLLM lists where no capture proc
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -13,10 +14,10 @@ import torch
 from ..prompts import LogprobsRequest
 from . import internals
 from .capture import CAPTURE_KEY
-from .engine import Continued, EngineJob, RowBatch
-from .sessions import PlanEntry, Session
+from .engine import EngineJob, RowBatch
+from .sessions import PlanEntry, Session, SessionPool
 
-__all__ = ["LogprobsMixin", "listing_refusal"]
+__all__ = ["Continued", "LogprobsMixin", "listing_refusal"]
 
 
 class LogprobsMixin:
@@ -130,3 +131,55 @@ def listing_refusal(max_logprobs: int, vocab_size: int) -> str | None:
     return (f"full-vocabulary log-probabilities without the capture logits processor (speculative "
             f"decoding) need vLLM to list all {vocab_size} tokens, but this engine allows "
             f"max_logprobs={max_logprobs}: start it with max_logprobs=-1 (from_name does)")
+
+
+class Continued:
+    """The continuations of one batch, as the runner sees them: no engine request of their
+    own (their rows come from their sessions' next step), until a failure turns the ones
+    still waiting into plain requests (:meth:`take_jobs`)."""
+
+    @classmethod
+    def of(cls, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
+           make_job: Callable[[LogprobsRequest, int], Any]) -> Continued | None:
+        """The continuations of a planned batch (None if it has none)."""
+        if not any(type(entry) is Session for entry in plan):
+            return None
+        return cls(pool, requests, plan, batch, make_job)
+
+    def __init__(self, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
+                 make_job: Callable[[LogprobsRequest, int], Any]):
+        self._pool, self._requests, self._plan, self._batch = pool, requests, plan, batch
+        self._make_job = make_job
+        self._taken = False
+
+    def _waiting(self) -> list[tuple[int, Session]]:
+        if self._taken or self._batch.left == 0:
+            return []
+        return [(i, s) for i, s in enumerate(self._plan) if type(s) is Session and not self._batch.has(i)]
+
+    def any_waiting(self) -> bool:
+        """Some continuation may still wait for its row: the batch is not complete (the
+        runner asks while the batch's own jobs are done or not yet added)."""
+        return not self._taken and self._batch.left > 0
+
+    def stream_ids(self) -> list[str]:
+        """The engine requests of the sessions whose row is still awaited (to abort)."""
+        return [s.request_id for _, s in self._waiting()]
+
+    def fail(self, make_error: Callable[[], BaseException]) -> None:
+        """Closes the sessions still owing a row; their requests get ``make_error()``."""
+        for i in self._close_waiting():
+            self._batch.set(i, make_error())
+
+    def take_jobs(self) -> list[Any]:
+        """Closes the sessions still owing a row and returns plain jobs for their requests."""
+        return [self._make_job(self._requests[i], i) for i in self._close_waiting()]
+
+    def _close_waiting(self) -> list[int]:
+        """Closes the sessions still owing a row (from now on the runner owns their
+        requests); returns those requests' indices."""
+        waiting = self._waiting()
+        self._taken = True
+        for _, session in waiting:
+            self._pool.close(session)
+        return [i for i, _ in waiting]

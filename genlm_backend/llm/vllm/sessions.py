@@ -27,11 +27,12 @@ context after resampling can extend it only once; the others open new sessions (
 whole context: vLLM's prefix cache still skips most of the prefill). Requests that find no
 room run as plain one-shot requests.
 
-Bounds: at most ``capacity`` sessions live (below ``max_num_seqs``: every session holds a
-scheduler slot, and the engine must keep one for everything else); a new session takes the
-place of the least recently used free one; sessions unused for ``idle_batches`` batches are
-closed. A chunk or continuation that fails, is refused or is aborted closes its session;
-only its own caller sees the error. Everything here runs on the model's engine thread.
+Bounds: at most ``capacity`` sessions live (up to ``max_num_seqs``: every session holds a
+scheduler slot); a new session takes the place of the least recently used free one;
+sessions unused for ``idle_batches`` batches are closed; parked sessions are closed, least
+recently used first, where other requests need their slots (:meth:`SessionPool.free_parked`).
+A chunk or continuation that fails, is refused or is aborted closes its session; only its
+own caller sees the error. Everything here runs on the model's engine thread.
 """
 
 from __future__ import annotations
@@ -348,11 +349,15 @@ class SessionPool:
     def close_all(self) -> int:
         return self.close_where(lambda s: True)
 
-    def free_parked(self, jobs: Sequence[Any]) -> bool:
-        """Closes the parked sessions: all but those with a job of ``jobs`` still to run (the
-        engine stalled)."""
+    def free_parked(self, jobs: Sequence[Any], limit: int | None = None) -> bool:
+        """Closes parked sessions, least recently used first, at most ``limit`` (None: all),
+        but not those with a job of ``jobs`` still to run; returns whether any was closed."""
         in_use = {job.stream_id for job in jobs if job.stream_id and not job.is_done}
-        return self.close_where(lambda s: s.request_id not in in_use and s.state != "running") > 0
+        victims = [s for s in self._sessions.values() if s.state == "parked" and s.request_id not in in_use]
+        victims = victims[:limit]
+        for session in victims:
+            self.close(session)
+        return bool(victims)
 
     def _close_idle(self) -> None:
         horizon = self._batch - self.idle_batches

@@ -21,8 +21,9 @@ What is relied on:
   with the same id as the next chunk of a parked one; the model runner re-adds the request
   with the chunk's ``SamplingParams``; the scheduler's ``_update_request_as_session`` applies
   a chunk to a parked session (0.26 leaves out the chunk's ``max_tokens``, which
-  :func:`install_chunk_max_tokens` adds). The scheduler object is read for stall detection
-  (:func:`is_stalled`). Without these, :func:`supports_sessions` is False and sessions are
+  :func:`install_chunk_max_tokens` adds). The scheduler's ``get_request_counts`` and its
+  config's ``max_num_seqs`` tell stalls (:func:`is_stalled`) and free slots
+  (:func:`free_slots`). Without these, :func:`supports_sessions` is False and sessions are
   off. A parked session waits, with the status ``WAITING_FOR_STREAMING_REQ``, in one of the
   scheduler's first-come first-served waiting queues (``deque`` attributes
   ``skipped_waiting``, ``kv_holding_waiting`` or ``waiting``) that ``schedule()`` walks and
@@ -103,6 +104,7 @@ from .engine import (
     abort_requests,
     add_request,
     envs_cache_enabled,
+    free_slots,
     is_cuda_oom,
     is_stalled,
     model_module,
@@ -137,6 +139,7 @@ __all__ = [
     "add_session_chunk",
     "discard_mask_reader",
     "envs_cache_enabled",
+    "free_slots",
     "install_chunk_max_tokens",
     "install_cpu_generator_rewind",
     "install_forced_sampling",

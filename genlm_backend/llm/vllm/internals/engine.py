@@ -121,6 +121,17 @@ def is_stalled(engine: Any) -> bool:
     return running == 0 and waiting > 0
 
 
+def free_slots(engine: Any) -> int | None:
+    """Requests the scheduler could still admit: ``max_num_seqs`` less the running requests
+    and the waiting ones (parked sessions wait, and hold a slot); None where the scheduler
+    is not in this process."""
+    scheduler = _scheduler(engine)
+    if scheduler is None:
+        return None
+    running, waiting = scheduler.get_request_counts()
+    return int(scheduler.scheduler_config.max_num_seqs) - running - waiting
+
+
 def abort_requests(engine: Any, request_ids: list[str]) -> None:
     """Aborts requests by the ids given to :func:`add_request`."""
     try:
