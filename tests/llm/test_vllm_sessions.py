@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -245,7 +246,10 @@ async def test_as_many_particles_as_engine_slots_all_continue_held_sessions(vlm,
     # them (with a slot kept spare, one particle a step ran as a new plain request).
     contexts = prompts_of([5, 6, 7, 8, 9, 10, 11, 12], seed=44)
     before = sessions(vlm)
-    final, rows = await lockstep(vlm, contexts, 4)
+    vlm._sessions.warned_crowded = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # as many contexts as sessions: no warning
+        final, rows = await lockstep(vlm, contexts, 4)
     for context, row in zip(final, rows):
         assert_matches(row, hf_reference("base", context))
     after = sessions(vlm)
@@ -268,9 +272,13 @@ async def test_parked_sessions_give_their_slots_to_sampling(vlm):
 
 
 async def test_more_particles_than_engine_slots_still_make_progress(vlm, hf_reference):
-    # 12 particles, 8 session slots: the rest run as plain requests; nothing waits forever.
+    # 12 particles, 8 session slots: the rest run as plain requests; nothing waits forever,
+    # and the caller is told, once, to give the engine more slots.
     contexts = prompts_of([6] * 12, seed=34)
-    final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 3), timeout=120)
+    vlm._sessions.warned_crowded = False
+    with pytest.warns(RuntimeWarning, match="max_num_seqs") as warned:
+        final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 3), timeout=120)
+    assert len([w for w in warned if "max_num_seqs" in str(w.message)]) == 1
     for context, row in zip(final, rows):
         assert_matches(row, hf_reference("base", context))
     assert sessions(vlm)["num_live"] <= 8

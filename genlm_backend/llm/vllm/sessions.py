@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -122,6 +123,7 @@ class SessionPool:
         self.num_continued = 0
         self.num_opened = 0
         self.num_closed = 0
+        self.warned_crowded = False  # more contexts than sessions (warned once)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -186,11 +188,13 @@ class SessionPool:
         self.num_extended += num_extended
         self.num_continued += num_continued
         self._park_held()
-        for i, request in enumerate(requests):
+        crowded = False  # more contexts at once than sessions (a plain request, or a session
+        for i, request in enumerate(requests):  # closed that the batch before used)
             if plan[i] is not None or request is None:
                 continue
             if len(sessions) >= self.capacity:
                 victim = next((s for s in sessions.values() if s.stamp != stamp), None)
+                crowded = crowded or victim is None or victim.last_used == stamp - 1
                 if victim is None:
                     continue  # no room: a plain request
                 self.close(victim)
@@ -201,6 +205,13 @@ class SessionPool:
             sessions[session.request_id] = session
             self.num_opened += 1
             plan[i] = PlanEntry(session, request.token_ids)
+        if crowded and not self.warned_crowded and self.capacity:
+            self.warned_crowded = True
+            warnings.warn(
+                f"more contexts are extended at once than the {self.capacity} live engine sessions "
+                "(the engine's max_num_seqs, or `sessions`): they take turns, and sessions are "
+                "reopened every step; start the engine with engine_opts={'max_num_seqs': N} for N at "
+                "least the number of contexts (particles) a step", RuntimeWarning, stacklevel=1)
         return plan
 
     def bind(self, entry: PlanEntry, job: Any, tag: int) -> None:
