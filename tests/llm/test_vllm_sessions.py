@@ -502,3 +502,23 @@ def test_a_held_session_that_cannot_be_parked_stays_closed():
     pool.plan([other], None)  # leaves the held session out: parking it closes it
     assert entry.session.state == "closed" and aborted == [entry.session.request_id]
     assert pool.get(entry.session.request_id) is None and first.kept is None
+
+
+def test_free_parked_closes_the_least_recently_used_parked_sessions_a_batch_does_not_resume():
+    from types import SimpleNamespace
+
+    from genlm_backend.llm.vllm.sessions import Session, SessionPool
+
+    aborted = []
+    pool = SessionPool(aborted.extend, 8)
+    sessions = [Session(f"s{i}", None, state=state) for i, state in
+                enumerate(["parked", "running", "parked", "parked", "parked"])]
+    for session in sessions:  # least recently used first
+        pool._sessions[session.request_id] = session
+    resumes_s2 = SimpleNamespace(stream_id="s2", is_done=False)
+    finished_s3 = SimpleNamespace(stream_id="s3", is_done=True)  # no longer in use
+    assert pool.free_parked([resumes_s2, finished_s3], 2)
+    assert aborted == ["s0", "s3"]  # s1 runs, s2 is resumed by the batch
+    assert pool.free_parked([resumes_s2], None) and aborted == ["s0", "s3", "s4"]
+    assert not pool.free_parked([resumes_s2], None)
+    assert sorted(pool._sessions) == ["s1", "s2"]
