@@ -188,8 +188,10 @@ class SessionPool:
         self.num_extended += num_extended
         self.num_continued += num_continued
         self._park_held()
-        crowded = False  # more contexts at once than sessions (a plain request, or a session
-        for i, request in enumerate(requests):  # closed that the batch before used)
+        # More contexts at once than sessions: a request finds no room, or takes the place of
+        # a session that the batch before used.
+        crowded = False
+        for i, request in enumerate(requests):
             if plan[i] is not None or request is None:
                 continue
             if len(sessions) >= self.capacity:
