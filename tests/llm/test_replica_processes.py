@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import traceback
 
 import pytest
@@ -236,6 +237,10 @@ async def test_sample_goes_to_the_child(single, reference, monkeypatch):
 
 async def test_cancelling_one_awaiter_harms_no_other(single, reference, monkeypatch):
     sent = record(monkeypatch, single)
+    # The reader thread takes the child's rows only once task 2 is cancelled: the cancel
+    # lands while the batch is with the child, however fast the child answers.
+    cancelled, on_rows = threading.Event(), single._on_rows
+    monkeypatch.setattr(single, "_on_rows", lambda *args: (cancelled.wait(WAIT), on_rows(*args)))
     contexts = [[1, 7000 + i] for i in range(6)] + [[1, 7002]]  # the last: task 2's twin
     tasks = [asyncio.create_task(single.next_token_logprobs(c)) for c in contexts]
     for _ in range(1000):
@@ -244,6 +249,8 @@ async def test_cancelling_one_awaiter_harms_no_other(single, reference, monkeypa
         await asyncio.sleep(0.001)
     assert entries(sent) and not tasks[2].done()  # the batch is with the child
     tasks[2].cancel()
+    await asyncio.sleep(0)  # the cancellation reaches the task
+    cancelled.set()
     results = await gather(*tasks, return_exceptions=True)
     assert isinstance(results[2], asyncio.CancelledError)
     others = [i for i in range(len(contexts)) if i != 2]
