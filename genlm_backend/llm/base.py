@@ -3,7 +3,8 @@
 A backend is a thin adapter: it says how big its output vocabulary is and how to evaluate
 one batch of log-probability requests (``_evaluate_logprobs``). This base class owns the
 rest: input validation, the batcher, the output cache, adapters (LoRA, from
-:mod:`.adapters`), the sync twins, default sampling built on log-probabilities, and the lifecycle.
+:mod:`.adapters`), the sync twins, default sampling built on log-probabilities (from
+:mod:`.stepwise`), and the lifecycle.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import os
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -27,12 +26,9 @@ from ..cache import OutputCache
 from ..exceptions import ClosedError, InvalidRequestError
 from .adapters import Adapters
 from .prompts import LogprobsRequest, PromptChecker
-from .validation import check_max_tokens, check_temperature, check_token_ids
+from .stepwise import StepwiseSampling
 
 __all__ = ["AsyncLM", "LogprobsRequest", "stops_what_it_started"]
-
-_DRAW_THREAD_LOCK = threading.Lock()
-
 
 def stops_what_it_started(init: Callable[..., None]) -> Callable[..., None]:
     """Wraps a backend's ``__init__``: when it raises, what it started so far (the engine
@@ -50,7 +46,7 @@ def stops_what_it_started(init: Callable[..., None]) -> Callable[..., None]:
     return wrapped
 
 
-class AsyncLM(Adapters, ABC):
+class AsyncLM(StepwiseSampling, Adapters, ABC):
     """A language model whose next-token log-probabilities are awaited and auto-batched.
 
     Concurrent awaits of :meth:`next_token_logprobs` become one engine call (see
@@ -261,80 +257,6 @@ class AsyncLM(Adapters, ABC):
             raise InvalidRequestError("token_ids_list is empty: pass at least one prompt")
         return requests
 
-    # ---- sampling -----------------------------------------------------------------------
-
-    async def sample(
-        self,
-        prompt_token_ids: Any,
-        max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-    ) -> list[int]:
-        """Samples a continuation of ``prompt_token_ids``, one awaited step at a time.
-
-        Each step awaits :meth:`next_token_logprobs` (so concurrent samplers share batches)
-        and draws from ``softmax(logprobs / temperature)`` with a CPU generator seeded by
-        ``seed``, on a thread of the model's own (off the event loop); temperature 0 is
-        greedy. Stops after ``max_tokens`` tokens or at the first token whose id is in
-        ``eos_token_ids``, which is not returned.
-
-        Returns:
-            The sampled token ids. Same seed and prompt, same result.
-        """
-        prompt = self._request(prompt_token_ids, None).token_ids
-        eos = self._eos_set(eos_token_ids)
-        check_max_tokens(max_tokens)
-        check_temperature(temperature)
-        seed = seed if seed is not None else int.from_bytes(os.urandom(8), "big") >> 1
-        generator = torch.Generator().manual_seed(seed)
-        context, sampled = list(prompt), []
-        for _ in range(max_tokens):
-            logprobs = await self.next_token_logprobs(context)
-            token = await self._draw(logprobs, temperature, generator)
-            if token in eos:
-                break
-            sampled.append(token)
-            context.append(token)
-        return sampled
-
-    async def batch_sample(
-        self,
-        prompt_token_ids_list: Iterable[Any],
-        max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-    ) -> list[list[int]]:
-        """Samples one continuation per prompt, concurrently (their steps share batches).
-
-        With a ``seed``, prompt i is sampled with seed ``seed + i``, so the batch is
-        reproducible and identical prompts still get independent samples.
-        """
-        prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, None)]
-        seeds = [None if seed is None else seed + i for i in range(len(prompts))]
-        samples = (self.sample(p, max_tokens, eos_token_ids, temperature, s) for p, s in zip(prompts, seeds))
-        return list(await asyncio.gather(*samples))
-
-    _draw_thread: EngineThread | None = None  # started by the first draw
-
-    def _draw(self, logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> asyncio.Future:
-        """The next token of :meth:`sample`, drawn on a thread of its own: a draw is an O(V)
-        pass (about 1 ms at V = 32k; on a GPU, ``.cpu()`` also waits for the row) that on the
-        event loop adds up, over concurrent samplers, to blocks of the whole loop."""
-        self._check_open()
-        if self._draw_thread is None:
-            with _DRAW_THREAD_LOCK:  # samplers on several threads' loops start one thread
-                if self._draw_thread is None:
-                    self._draw_thread = EngineThread(f"genlm-{type(self).__name__}-draws")
-        return asyncio.wrap_future(self._draw_thread.submit(_draw_token, logprobs, temperature, generator))
-
-    def _eos_set(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
-        eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
-        if eos_token_ids is None:
-            return frozenset()
-        return frozenset(check_token_ids(list(eos_token_ids), self.vocab_size, None, allow_empty=True))
-
     # ---- lifecycle ----------------------------------------------------------------------
 
     def clear_cache(self) -> None:
@@ -392,10 +314,3 @@ class AsyncLM(Adapters, ABC):
     async def __aexit__(self, *exc_info: Any) -> None:
         self.cleanup()
 
-
-def _draw_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    logprobs = logprobs.float().cpu()
-    if temperature == 0:
-        return int(torch.argmax(logprobs))
-    probs = torch.softmax(logprobs / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
