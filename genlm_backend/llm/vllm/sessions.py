@@ -352,9 +352,10 @@ class SessionPool:
         while len(self._sessions) > self.capacity:
             self.close(next(iter(self._sessions.values())))
 
-    def close_where(self, predicate: Callable[[Session], bool]) -> int:
-        """Closes the sessions matching ``predicate``; returns how many."""
-        victims = [s for s in self._sessions.values() if predicate(s)]
+    def close_where(self, predicate: Callable[[Session], bool], limit: int | None = None) -> int:
+        """Closes the sessions matching ``predicate``, least recently used first, at most
+        ``limit`` of them (None: all); returns how many."""
+        victims = [s for s in self._sessions.values() if predicate(s)][:limit]
         for session in victims:
             self.close(session)
         return len(victims)
@@ -366,11 +367,7 @@ class SessionPool:
         """Closes parked sessions, least recently used first, at most ``limit`` (None: all),
         but not those with a job of ``jobs`` still to run; returns whether any was closed."""
         in_use = {job.stream_id for job in jobs if job.stream_id and not job.is_done}
-        victims = [s for s in self._sessions.values() if s.state == "parked" and s.request_id not in in_use]
-        victims = victims[:limit]
-        for session in victims:
-            self.close(session)
-        return bool(victims)
+        return self.close_where(lambda s: s.state == "parked" and s.request_id not in in_use, limit) > 0
 
     def _close_idle(self) -> None:
         horizon = self._batch - self.idle_batches
