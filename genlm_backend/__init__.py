@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .compat import install_genlm_alias
 
 if TYPE_CHECKING:
-    from .llm import AsyncLM, AsyncTransformer, AsyncVirtualLM, MockAsyncLM, ReplicatedLM, load_model_by_name  # noqa: F401
+    from .llm import AsyncLM, AsyncTransformer, AsyncVirtualLM, MockAsyncLM, load_model_by_name  # noqa: F401
     from .tokenization import Token, decode_vocab  # noqa: F401
     from .trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie  # noqa: F401
 
@@ -25,7 +25,6 @@ _EXPORTS = {
     "AsyncVirtualLM": ".llm",
     "AsyncTransformer": ".llm",
     "MockAsyncLM": ".llm",
-    "ReplicatedLM": ".llm",
     "decode_vocab": ".tokenization",
     "Token": ".tokenization",
     "TokenCharacterTrie": ".trie",

@@ -18,7 +18,6 @@ EXPORTED = {
     "AsyncVirtualLM",
     "AsyncTransformer",
     "MockAsyncLM",
-    "ReplicatedLM",
     "decode_vocab",
     "Token",
     "TokenCharacterTrie",

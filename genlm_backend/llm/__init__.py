@@ -2,8 +2,7 @@
 
 Here: the contract (:mod:`.base`, with :mod:`.prompts`, :mod:`.validation` and
 :mod:`.adapters`), :class:`MockAsyncLM`, :func:`load_model_by_name` (:mod:`.loading`) and
-the embedded default model. :class:`ReplicatedLM` (:mod:`.replicas`) serves one model from
-several replicas of it. The backends are packages: :mod:`.vllm` (``AsyncVirtualLM``,
+the embedded default model. The backends are packages: :mod:`.vllm` (``AsyncVirtualLM``,
 with :mod:`.vllm.internals`, the seam to vLLM's private parts) and :mod:`.hf`
 (``AsyncTransformer``). They are imported on first use, so importing this package never
 imports vllm.
@@ -19,12 +18,11 @@ from .mock import MockAsyncLM
 
 if TYPE_CHECKING:
     from .hf import AsyncTransformer
-    from .replicas import ReplicatedLM
     from .vllm import AsyncVirtualLM
 
-__all__ = ["AsyncLM", "AsyncTransformer", "AsyncVirtualLM", "MockAsyncLM", "ReplicatedLM", "load_model_by_name"]
+__all__ = ["AsyncLM", "AsyncTransformer", "AsyncVirtualLM", "MockAsyncLM", "load_model_by_name"]
 
-_LAZY = {"AsyncVirtualLM": ".vllm", "AsyncTransformer": ".hf", "ReplicatedLM": ".replicas"}
+_LAZY = {"AsyncVirtualLM": ".vllm", "AsyncTransformer": ".hf"}
 
 
 def __getattr__(name: str) -> Any:

@@ -24,9 +24,9 @@ rows wait: the engine's process waits for its copy at once (``lag=0``; the devic
 then) and a ring of ``depth=0`` (``2 * max_rows`` slots) is enough, so a 1 GiB ring holds
 a step of 1024 rows of a 131k vocabulary.
 
-Devices: a worker started with its own ``CUDA_VISIBLE_DEVICES`` (a replica of
-:class:`~genlm_backend.llm.replicas.ReplicatedLM` on its own GPU) makes its ring on its
-``cuda:0``, which this process, seeing every GPU, may call ``cuda:1``. A CUDA handle carries
+Devices: a worker whose process sees other GPUs than this one (started with another
+``CUDA_VISIBLE_DEVICES``) makes its ring on what it calls ``cuda:0``, which this process
+may call ``cuda:1``. A CUDA handle carries
 the device's UUID, and :func:`open_ring` maps the ring on the device of this process that
 has that UUID (:func:`local_device_index`), so its rows arrive on the worker's own GPU.
 """

@@ -90,8 +90,9 @@ def test_rows_written_in_another_process_read_back_exactly(device):
 
 
 def test_a_cuda_ring_is_opened_on_the_device_with_its_uuid(monkeypatch):
-    """A replica's worker sees only its own GPU, as its ``cuda:0``; this process, which sees
-    every GPU, may call that GPU ``cuda:1``. The handle's UUID says which one it is."""
+    """A worker started with another ``CUDA_VISIBLE_DEVICES`` may call its GPU ``cuda:0``
+    where this process, which sees every GPU, calls it ``cuda:1``. The handle's UUID says
+    which one it is."""
     from genlm_backend.llm import row_ring
     from genlm_backend.llm.row_ring import local_device_index
 

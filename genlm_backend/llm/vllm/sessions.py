@@ -158,8 +158,7 @@ class SessionPool:
                 continue
             parent = request.parent
             session = None if parent is None else parent.kept
-            # (``kept`` may be another pool's session: replicas share their callers' requests)
-            if session is None or session.key is not parent or sessions.get(session.request_id) is not session:
+            if session is None or session.key is not parent:
                 context = request.token_ids
                 if len(context) < 2:
                     continue
