@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ._batch_results import batch_error, check_results, fail_all, outcome, resolve_all
-from ._queued import QueuedResult
 from .exceptions import ClosedError
 
 __all__ = ["BatchOwner", "LoopQueue", "call_when_idle"]
@@ -108,7 +107,7 @@ class LoopQueue:
     # ---- queueing -------------------------------------------------------------------
 
     def add(self, key: Any) -> asyncio.Future:
-        fut = QueuedResult(loop=self.loop)
+        fut = self.loop.create_future()
         stats = self.batcher.stats
         stats.num_requests += 1
         self.num_added += 1

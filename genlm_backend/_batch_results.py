@@ -57,10 +57,19 @@ def batch_error(error: BaseException, batch_size: int) -> BaseException:
 def fail_all(waiters: list[asyncio.Future], error_factory: Callable[[], BaseException]) -> None:
     for fut in waiters:
         if not fut.done():
-            try:
-                fut.set_exception(error_factory())
-            except RuntimeError:  # its loop is closed: the future is marked done all the same
-                pass
+            _fail(fut, error_factory())
+
+
+def _fail(fut: asyncio.Future, error: BaseException) -> None:
+    """Sets ``error`` on ``fut``. On a closed loop, where nobody can await ``fut`` any more,
+    the error also counts as retrieved: asyncio would otherwise log "exception was never
+    retrieved" when the future is collected."""
+    try:
+        fut.set_exception(error)
+    except RuntimeError:  # its loop is closed: the future is marked done all the same
+        pass
+    if fut.get_loop().is_closed():
+        fut.exception()
 
 
 def resolve_all(waiters: list[asyncio.Future], result: Any, copy_result: Callable) -> None:
@@ -72,11 +81,11 @@ def resolve_all(waiters: list[asyncio.Future], result: Any, copy_result: Callabl
             value = result if i == 0 else (_copy_exception if failed else copy_result)(result)
         except Exception as exc:  # noqa: BLE001 - the copy failed: this waiter gets why
             value, is_error = exc, True
+        if is_error:
+            _fail(fut, value)
+            continue
         try:
-            if is_error:
-                fut.set_exception(value)
-            else:
-                fut.set_result(value)
+            fut.set_result(value)
         except RuntimeError:  # its loop is closed: the future is marked done all the same
             pass
 

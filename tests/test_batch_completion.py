@@ -207,3 +207,25 @@ def test_the_queue_modules_do_not_import_the_batcher():
         tree = ast.parse((pathlib.Path(genlm_backend.__file__).parent / name).read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert not {"batching", "genlm_backend.batching"} & imported, name
+
+
+def test_requests_left_on_a_closed_loop_get_closed_error_and_log_nothing():
+    # Nobody can await a future of a closed loop: it is failed when the batcher next runs on
+    # another loop, without asyncio's "exception was never retrieved" at its collection.
+    import gc
+
+    batcher = Batcher(times_ten, timeout=0.05, flush="timer")  # no batch before the close
+    messages = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda loop, context: messages.append(context["message"]))
+
+    async def leave_queued():
+        return [batcher.enqueue(k) for k in range(3)]
+
+    futures = loop.run_until_complete(leave_queued())
+    loop.close()
+    assert asyncio.run(_bounded(batcher.submit(4))) == 40  # another loop
+    assert isinstance(futures[0].exception(), ClosedError)
+    del futures
+    gc.collect()
+    assert messages == []

@@ -4,9 +4,10 @@
 
 * ``steady``: steady held steps (``internals.install_steady_steps``) ``on`` and ``off``
   (vLLM's own ``schedule`` and ``update_from_output`` for every step);
-* ``call``: ``next_token_logprobs`` as it is (``future``: inside a running loop it queues
-  the request and returns its future, which ``asyncio.gather`` takes without a task) and as
-  an ``async def`` around it (``coroutine``: ``gather`` wraps it in a task per call);
+* ``call``: ``next_token_logprobs`` as it is (``coroutine``, an ``async def``: ``gather``
+  wraps each call in a task) and returning the batcher's future itself (``future``, which
+  ``gather`` takes without a task; what the call was before it became an ``async def``,
+  given up because a future is not a coroutine to ``asyncio.wait``, ``inspect`` or mocks);
 * ``slots``: sessions in every scheduler slot (``all``) and in all but one (``spare``, the
   bound before parked sessions gave their slots up to the requests that need them); they
   differ where N reaches ``max_num_seqs``, on a CPU at N=256 with vLLM's defaults.
@@ -41,8 +42,8 @@ from genlm_backend.llm.base import AsyncLM
 AS_IS = AsyncLM.next_token_logprobs
 
 
-async def as_coroutine(self, token_ids, lora_name=None):
-    return await AS_IS(self, token_ids, lora_name)
+def as_future(self, token_ids, lora_name=None):
+    return self._logprobs_batcher.enqueue(self._request(token_ids, lora_name))
 
 
 class Change:
@@ -50,7 +51,8 @@ class Change:
 
     def __init__(self, name: str, lm: Any):
         self.name, self.lm = name, lm
-        self.modes = {"steady": ("on", "off"), "call": ("future", "coroutine"), "slots": ("all", "spare")}[name]
+        self.modes = {"steady": ("on", "off"), "call": ("coroutine", "future"),
+                      "slots": ("all", "spare")}[name]
         if name == "steady" and lm._steady is None:
             raise SystemExit("the steady path is not installed on this engine")
 
@@ -61,7 +63,7 @@ class Change:
             scheduler.schedule = steady.schedule if default else steady.general_schedule
             scheduler.update_from_output = steady.update_from_output if default else steady.general_update
         elif self.name == "call":
-            AsyncLM.next_token_logprobs = AS_IS if default else as_coroutine
+            AsyncLM.next_token_logprobs = AS_IS if default else as_future
         else:
             lm.set_sessions(True if default else lm._session_slots - 1)
 

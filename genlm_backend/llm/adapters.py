@@ -85,6 +85,7 @@ class Adapters:
 
     def clear_lora(self) -> None:
         """Deactivates the active adapter: calls that name none use the base model."""
+        self._check_open()
         self.active_lora = None
 
     def remove_lora(self, lora_name: str) -> None:

@@ -1,8 +1,8 @@
 """`AsyncLM`: the contract every backend implements, and everything backends share.
 
-A backend is a thin adapter: it says how big its output vocabulary is and how to evaluate
-one batch of log-probability requests (``_evaluate_logprobs``). This base class owns the
-rest: input validation, the batcher, the output cache, adapters (LoRA, from
+A backend is a thin adapter: it says how big its output vocabulary is (``_vocab_size``)
+and how to evaluate one batch of log-probability requests (``_evaluate_logprobs``). This
+base class owns the rest: input validation, the batcher, the output cache, adapters (LoRA, from
 :mod:`.adapters`), the sync twins, default sampling built on log-probabilities (from
 :mod:`.stepwise`), and the lifecycle.
 """
@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from .._engine_thread import EngineThread
-from .._queued import failed, running_loop
 from .._sync import run_sync
 from ..batching import INLINE, Batcher
 from ..cache import OutputCache
@@ -102,10 +100,13 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
 
     # ---- what a backend provides ------------------------------------------------------
 
+    _vocab_size: int  # the model's output size V: set by the backend's ``__init__``
+
     @property
-    @abstractmethod
     def vocab_size(self) -> int:
         """The model's output size V: the length of every log-probability row."""
+        self._check_open()
+        return self._vocab_size
 
     # True: ``_evaluate_logprobs`` is called on the event loop's thread and returns an
     # ``asyncio.Future`` of the rows (it hands the work to the engine thread itself).
@@ -123,6 +124,7 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
     @property
     def max_prompt_len(self) -> int | None:
         """The longest prompt the model accepts (tokens), or None for no known limit."""
+        self._check_open()
         return None
 
     def _close(self) -> None:
@@ -133,11 +135,13 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
     @property
     def byte_vocab(self) -> list:
         """The exact bytes of every token id (list of ``Token``), decoded on first use."""
+        self._check_open()
         return self._decoded_vocabs()[0]
 
     @property
     def str_vocab(self) -> list[str]:
         """The text of every token id, same indexing as :attr:`byte_vocab`."""
+        self._check_open()
         return self._decoded_vocabs()[1]
 
     def _decoded_vocabs(self) -> tuple[list, list[str]]:
@@ -149,19 +153,19 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
 
     # ---- log-probabilities ------------------------------------------------------------
 
-    def next_token_logprobs(self, token_ids: Any, lora_name: str | None = None) -> Awaitable[torch.Tensor]:
-        """Log-probabilities of the next token after ``token_ids``; auto-batched. Await it as
-        an ``async def``'s coroutine. Inside a running loop (no output cache) the request is
-        queued at the call and its future returned: ``asyncio.gather`` takes it without a
-        task, ``create_task`` and ``TaskGroup`` as a coroutine. Errors come from the await.
+    async def next_token_logprobs(
+        self, token_ids: Any, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Log-probabilities of the next token after ``token_ids``; auto-batched: concurrent
+        awaits (``asyncio.gather``, tasks, ``TaskGroup``) share one engine call.
 
         Args:
-            token_ids: the prompt, a non-empty sequence of token ids in ``[0, V)``.
+            token_ids: the prompt, a non-empty sequence of token ids in ``[0, V)``: a list
+                or tuple of ints (numpy integers too), a 1-D integer numpy array or tensor.
             lora_name: the adapter for this call; None uses the active one (``set_lora``).
 
         Returns:
-            A float32 tensor ``[V]`` of normalised log-probabilities (once awaited), the
-            caller's own copy.
+            A float32 tensor ``[V]`` of normalised log-probabilities, the caller's own copy.
 
         Raises:
             InvalidRequestError: empty prompt, id outside ``[0, V)``, prompt too long,
@@ -170,19 +174,10 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
             ClosedError: the model was cleaned up.
             EngineError: the engine failed on this request's batch.
         """
-        loop = running_loop()
-        if loop is None or self.cache is not None:
-            return self._next_token_logprobs(token_ids, lora_name)
-        try:  # the hot path of samplers: no coroutine, no task
-            return self._logprobs_batcher.enqueue(self._request(token_ids, lora_name))
-        except Exception as error:  # noqa: BLE001 - raised by the await, as by an async def
-            return failed(loop, error)
-
-    if hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+: inspect still calls it async
-        next_token_logprobs = inspect.markcoroutinefunction(next_token_logprobs)
-
-    async def _next_token_logprobs(self, token_ids: Any, lora_name: str | None) -> torch.Tensor:
-        return await self._logprobs(self._request(token_ids, lora_name), use_cache=True)
+        request = self._request(token_ids, lora_name)
+        if self.cache is None:  # the hot path of samplers: the batcher's future, awaited here
+            return await self._logprobs_batcher.enqueue(request)
+        return await self._logprobs(request, use_cache=True)
 
     async def batch_next_token_logprobs(
         self, token_ids_list: Iterable[Any], lora_name: str | None = None
@@ -215,8 +210,8 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
         return torch.stack(run_sync(gather()))
 
     def _enqueued(self, requests: list[LogprobsRequest]) -> asyncio.Future:
-        """The rows of ``requests``, queued without a coroutine or task each (a program
-        that sends a whole population at once pays one future a row)."""
+        """The rows of ``requests``, queued as one future each, gathered without a task
+        each (for the ``async def`` methods that await them)."""
         self._check_open()
         enqueue, futures = self._logprobs_batcher.enqueue, []
         try:
@@ -261,6 +256,7 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
 
     def clear_cache(self) -> None:
         """Empties the output cache."""
+        self._check_open()
         if self.cache is not None:
             self.cache.clear()
 
@@ -269,14 +265,17 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
 
         Requests already being evaluated still complete.
         """
+        self._check_open()
         self._logprobs_batcher.reset()
 
     def stats(self) -> dict[str, Any]:
         """Batching counters of the log-probability path, plus output-cache hits."""
+        self._check_open()
         return {**self._logprobs_batcher.stats.as_dict(), "cache_hits": self.num_cache_hits}
 
     def cleanup(self) -> None:
-        """Fails every waiting request, releases the engine. Idempotent; later use raises."""
+        """Fails every waiting request, releases the engine. Idempotent; later use of any
+        other public method or property raises ``ClosedError``."""
         if self.is_closed:
             return
         self.is_closed = True
@@ -287,7 +286,8 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
             self._engine_thread.shutdown(wait=False, cancel_futures=True)
             if self._draw_thread is not None:
                 self._draw_thread.shutdown(wait=False)
-            self.clear_cache()
+            if self.cache is not None:
+                self.cache.clear()
 
     def _stop_started(self) -> None:
         """After a failed ``__init__``: stops the parts it made, those that exist."""

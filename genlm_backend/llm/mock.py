@@ -41,19 +41,19 @@ class MockAsyncLM(AsyncLM):
 
         return cls(AutoTokenizer.from_pretrained(model_name), **kwargs)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     def _load_lora(self, lora_name: str, lora_path: str) -> None:
         """Adapters only change the seed of the rows: enough to test adapter routing."""
 
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Sequence[torch.Tensor]:
         self.num_evaluated += len(requests)
-        return [self.logprobs_of(r.token_ids, r.lora_name) for r in requests]
+        return [self._row(r.token_ids, r.lora_name) for r in requests]
 
     def logprobs_of(self, token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
         """The row this mock returns for ``token_ids``, computed directly (no batching)."""
+        self._check_open()
+        return self._row(token_ids, lora_name)
+
+    def _row(self, token_ids: Sequence[int], lora_name: str | None) -> torch.Tensor:
         digest = hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8)
         if lora_name is not None:
             digest.update(lora_name.encode("utf-8"))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._engine_thread import EngineThread
-from .validation import check_max_tokens, check_temperature, check_token_ids
+from .validation import check_eos_token_ids, check_max_tokens, check_seed, check_temperature
 
 __all__ = ["StepwiseSampling"]
 
@@ -43,13 +43,23 @@ class StepwiseSampling:
         greedy. Stops after ``max_tokens`` tokens or at the first token whose id is in
         ``eos_token_ids``, which is not returned.
 
+        Args:
+            prompt_token_ids: the prompt, in any form :meth:`next_token_logprobs` takes.
+            eos_token_ids: one id or a collection of ids (None: no stop id).
+            seed: an int in ``[0, 2**63 - 1]``, or None for a random seed.
+
         Returns:
             The sampled token ids. Same seed and prompt, same result.
+
+        Raises:
+            InvalidRequestError, InvalidRequestTypeError: a bad argument, before anything is
+                queued (only this caller gets it).
         """
         prompt = self._request(prompt_token_ids, None).token_ids
         eos = self._eos_set(eos_token_ids)
         check_max_tokens(max_tokens)
         check_temperature(temperature)
+        seed = check_seed(seed)
         seed = seed if seed is not None else int.from_bytes(os.urandom(8), "big") >> 1
         generator = torch.Generator().manual_seed(seed)
         context, sampled = list(prompt), []
@@ -73,9 +83,14 @@ class StepwiseSampling:
         """Samples one continuation per prompt, concurrently (their steps share batches).
 
         With a ``seed``, prompt i is sampled with seed ``seed + i``, so the batch is
-        reproducible and identical prompts still get independent samples.
+        reproducible and identical prompts still get independent samples; every such seed
+        must be in ``[0, 2**63 - 1]``. Every argument is checked before any prompt is queued.
         """
         prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, None)]
+        self._eos_set(eos_token_ids)
+        check_max_tokens(max_tokens)
+        check_temperature(temperature)
+        seed = check_seed(seed, len(prompts))
         seeds = [None if seed is None else seed + i for i in range(len(prompts))]
         samples = (self.sample(p, max_tokens, eos_token_ids, temperature, s) for p, s in zip(prompts, seeds))
         return list(await asyncio.gather(*samples))
@@ -93,11 +108,8 @@ class StepwiseSampling:
                     self._draw_thread = EngineThread(f"genlm-{type(self).__name__}-draws")
         return asyncio.wrap_future(self._draw_thread.submit(_draw_token, logprobs, temperature, generator))
 
-    def _eos_set(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
-        eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
-        if eos_token_ids is None:
-            return frozenset()
-        return frozenset(check_token_ids(list(eos_token_ids), self.vocab_size, None, allow_empty=True))
+    def _eos_set(self, eos_token_ids: Any) -> frozenset[int]:
+        return check_eos_token_ids(eos_token_ids, self.vocab_size)
 
 
 def _draw_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:

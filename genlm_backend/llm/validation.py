@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,18 @@ import torch
 
 from ..exceptions import InvalidRequestError, InvalidRequestTypeError
 
-__all__ = ["check_token_ids", "check_max_tokens", "check_temperature"]
+__all__ = [
+    "MAX_SEED",
+    "check_eos_token_ids",
+    "check_max_tokens",
+    "check_seed",
+    "check_temperature",
+    "check_token_ids",
+    "one_or_many_prompts",
+]
+
+MAX_SEED = 2**63 - 1
+"""The largest seed: vLLM keeps a seed as a signed 64-bit int (and reads -1 as no seed)."""
 
 
 def check_token_ids(
@@ -91,3 +103,55 @@ def check_temperature(temperature: Any) -> float:
     if not (0 <= temperature < float("inf")):
         raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
     return float(temperature)
+
+
+def check_seed(seed: Any, num_seeds: int = 1) -> int | None:
+    """Returns ``seed`` as an int (None stays None), or raises naming it.
+
+    A seed is an int in ``[0, MAX_SEED]`` (``2**63 - 1``), the same on every backend;
+    ``num_seeds`` consecutive seeds from ``seed`` must all be (``batch_sample`` seeds prompt
+    i with ``seed + i``).
+
+    Raises:
+        InvalidRequestTypeError: neither None nor an int (bools and floats included).
+        InvalidRequestError: a seed outside the range.
+    """
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise InvalidRequestTypeError(f"seed must be an int or None, got {seed!r}")
+    seed = int(seed)
+    last = seed + num_seeds - 1
+    if seed < 0 or last > MAX_SEED:
+        which = "" if num_seeds == 1 else f" (seeds {seed} to {last}, one per prompt)"
+        raise InvalidRequestError(f"seed {seed}{which} is outside [0, 2**63 - 1]")
+    return seed
+
+
+def check_eos_token_ids(eos_token_ids: Any, vocab_size: int) -> frozenset[int]:
+    """The stop ids of a sampling call: None (no stop id), one id (an int, a numpy integer,
+    a 0-d integer array or tensor) or any collection of ids in a form
+    :func:`check_token_ids` takes (or a set); raises as it does."""
+    if eos_token_ids is None:
+        return frozenset()
+    ids = eos_token_ids
+    if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
+        ids = [ids]
+    elif isinstance(ids, (torch.Tensor, np.ndarray)):
+        ids = ids.reshape(-1) if ids.ndim == 0 else ids
+    elif isinstance(ids, Iterable) and not isinstance(ids, (str, bytes, list, tuple, range)):
+        ids = list(ids)  # a set, a generator
+    return frozenset(check_token_ids(ids, vocab_size, None, allow_empty=True))
+
+
+def one_or_many_prompts(prompts: Any) -> Any:
+    """``prompts`` as a collection of prompts: one prompt, in any form
+    :func:`check_token_ids` takes, becomes a list of it; anything else is taken as a
+    collection of prompts (2-D arrays and tensors by row) and left to the checks."""
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        return [prompts] if prompts.ndim <= 1 else list(prompts)
+    if isinstance(prompts, (list, tuple, range)) and len(prompts) > 0:
+        first = prompts[0]
+        if not isinstance(first, (list, tuple, range)) and getattr(first, "ndim", 0) < 1:
+            return [prompts]
+    return prompts

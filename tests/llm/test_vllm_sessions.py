@@ -257,6 +257,20 @@ async def test_as_many_particles_as_engine_slots_all_continue_held_sessions(vlm,
     assert after["num_continued"] - before["num_continued"] == 8 * 3
 
 
+async def test_moving_every_particle_to_new_contexts_warns_nothing(vlm, hf_reference):
+    # 8 particles on 8 slots move to 8 fresh unrelated contexts, then resample (forks): at
+    # no time are more than 8 contexts extended at once, so no crowding warning.
+    vlm._sessions.warned_crowded = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        await lockstep(vlm, prompts_of([5] * 8, seed=47), 2)
+        final, rows = await lockstep(vlm, prompts_of([6] * 8, seed=48), 3)
+        resampled = [list(final[i // 2]) for i in range(8)]
+        final, rows = await lockstep(vlm, resampled, 3)
+    for context, row in zip(final, rows):
+        assert_matches(row, hf_reference("base", context))
+
+
 async def test_parked_sessions_give_their_slots_to_sampling(vlm):
     prompts = prompts_of([4, 5, 6, 7], seed=45)
     expected = await vlm.batch_sample(prompts, 4, [], seed=3)  # no session holds a slot
@@ -522,3 +536,57 @@ def test_free_parked_closes_the_least_recently_used_parked_sessions_a_batch_does
     assert pool.free_parked([resumes_s2], None) and aborted == ["s0", "s3", "s4"]
     assert not pool.free_parked([resumes_s2], None)
     assert sorted(pool._sessions) == ["s1", "s2"]
+
+
+class FakeSteps:
+    """A :class:`SessionPool` of ``capacity`` sessions driven without an engine: each batch is
+    planned, every chunk and continuation gets its row, and the step's hold is released."""
+
+    def __init__(self, capacity):
+        from types import SimpleNamespace
+
+        from genlm_backend.llm.prompts import PromptChecker
+        from genlm_backend.llm.vllm.sessions import PlanEntry, SessionPool
+
+        self.namespace, self.entry_type = SimpleNamespace, PlanEntry
+        self.pool = SessionPool(lambda ids: None, capacity, park=lambda session: None,
+                                follow=lambda tag, target: None, unfollow=lambda tag: None)
+        self.checker = PromptChecker(1000, None)
+        self.tags = iter(range(1, 10**6))
+
+    def batch(self, contexts):
+        requests = [self.checker.request(c, None) for c in contexts]
+        rows = self.namespace(set=lambda i, row: None)
+        for entry in self.pool.plan(requests, rows):
+            if isinstance(entry, self.entry_type):
+                job = self.namespace(result=None, stream_request=None, params=None)
+                job.finish = lambda row, job=job: setattr(job, "result", row)
+                self.pool.bind(entry, job, tag=next(self.tags))
+                self.pool.deliver(entry.session, torch.zeros(3))
+            elif entry is not None:
+                self.pool.deliver(entry, torch.zeros(3))
+        self.pool.release()
+
+    def lockstep(self, contexts, num_steps, batch_size):
+        for step in range(num_steps):
+            for start in range(0, len(contexts), batch_size):
+                self.batch(contexts[start:start + batch_size])
+            contexts = [c + [step + 1] for c in contexts]
+        return contexts
+
+
+@pytest.mark.parametrize("num_contexts, batch_size, warns", [
+    (4, 4, False),  # as many contexts as sessions, moving to new ones
+    (8, 8, True),  # more contexts than sessions in one batch
+    (8, 4, True),  # more contexts than sessions over two batches a step
+])
+def test_the_crowding_warning_counts_contexts_extended_at_once(num_contexts, batch_size, warns):
+    steps = FakeSteps(capacity=4)
+    contexts = [[i, 100 + i] for i in range(num_contexts)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        contexts = steps.lockstep(contexts, 3, batch_size)
+        contexts = steps.lockstep([[200 + i, 7] for i in range(num_contexts)], 3, batch_size)
+        steps.lockstep([contexts[i // 2] for i in range(num_contexts)], 3, batch_size)  # forks
+    crowded = [w for w in caught if "max_num_seqs" in str(w.message)]
+    assert len(crowded) == (1 if warns else 0)

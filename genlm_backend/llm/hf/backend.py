@@ -142,12 +142,9 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
     # ---- the backend contract ---------------------------------------------------------
 
     @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
     def max_prompt_len(self) -> int | None:
         """``max_position_embeddings`` of the model's config, when it sets one."""
+        self._check_open()
         return self._max_prompt_len
 
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> list[Any]:
@@ -221,6 +218,7 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
 
     def clear_kv_cache(self) -> None:
         """Forgets every cached key/value state (of every adapter)."""
+        self._check_open()
         with self._lock:
             self._kv.clear()
 
@@ -231,6 +229,7 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
 
     def stats(self) -> dict[str, Any]:
         """Batching counters, plus forward passes, tokens run, tokens reused and the trie's size."""
+        self._check_open()
         with self._lock:
             kv = {
                 "num_forward_passes": self.num_forward_passes,

@@ -29,6 +29,7 @@ import torch
 from ...batching import Batcher
 from ...exceptions import EngineError
 from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
+from ..validation import one_or_many_prompts
 from .lora import LoRAMixin
 
 try:
@@ -271,12 +272,9 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
     # ---- what AsyncLM needs ---------------------------------------------------------------
 
     @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
     def max_prompt_len(self) -> int:
         # vLLM needs room for the one token a log-probability request generates.
+        self._check_open()
         return int(self._model_config.max_model_len) - 1
 
     @property
@@ -289,6 +287,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
             RuntimeError: the model is not in this process (workers in other processes:
                 ``tensor_parallel_size > 1`` or ``distributed_executor_backend="mp"``).
         """
+        self._check_open()
         return internals.model_module(self.llm)
 
     _evaluates_on_loop = True  # the batch goes to the engine thread from the loop directly
@@ -303,7 +302,6 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         self._engine_thread.submit_hold_safe(self._start_batch, requests, batch)
         return batch.future
 
-
     def set_sessions(self, sessions: bool | int) -> None:
         """Turns engine sessions on (True: up to ``max_num_seqs``; an int: at most that
         many) or off (False or 0: live ones are closed at once).
@@ -311,6 +309,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         Raises:
             TypeError: ``sessions`` is neither a bool nor an int.
         """
+        self._check_open()
         if not isinstance(sessions, int):
             raise TypeError(f"sessions must be True, False or an int, got {sessions!r}")
         capacity = self._session_slots if sessions is True else min(int(sessions), self._session_slots)
@@ -321,12 +320,11 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
     def close_sessions(self) -> int:
         """Closes every live engine session (waits for the engine thread); returns how many.
 
-        Needed before calling ``llm.generate`` directly, which otherwise waits
-        for the parked sessions forever. Later log-probability requests open new ones.
+        Needed before calling ``llm.generate`` directly (it waits for parked sessions
+        forever otherwise). Later log-probability requests open new ones.
         """
         self._check_open()
         return self._engine_thread.submit(self._sessions.close_all).result()
-
 
     # ---- operations -----------------------------------------------------------------------
 
@@ -334,11 +332,9 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         """Runs ``prefixes`` (one prompt or a list of prompts) once so vLLM caches their KV.
 
         Later prompts that start with a warmed prefix skip its prefill (prefix caching is
-        on by default). Blocks until done.
+        on by default). Prompts take every form of :meth:`next_token_logprobs`. Blocks.
         """
-        if prefixes and not isinstance(prefixes[0], (list, tuple, range, torch.Tensor)):
-            prefixes = [prefixes]
-        requests = self._requests(prefixes, lora_name)
+        requests = self._requests(one_or_many_prompts(prefixes), lora_name)
         jobs = [
             EngineJob(r.token_ids, vllm.SamplingParams(max_tokens=1, detokenize=False), lambda o: None,
                       self._lora_request(r.lora_name))

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ...exceptions import InvalidRequestError, InvalidRequestTypeError
-from ..validation import check_max_tokens, check_temperature
+from ..validation import check_max_tokens, check_seed, check_temperature
 from .engine import EngineJob
 
 __all__ = [
@@ -188,7 +188,8 @@ class SamplingMixin:
 
         Args:
             prompt_token_ids, max_tokens, eos_token_ids, temperature, seed: as in
-                :meth:`AsyncLM.sample`; temperature 0 is greedy.
+                :meth:`AsyncLM.sample` (a seed is an int in ``[0, 2**63 - 1]``); temperature
+                0 is greedy.
             lora_name: the adapter for this call (None: the active one).
             **options: ``top_p``, ``top_k``, ``min_p``, ``stop_token_ids`` (more ids that
                 end the sequence, not returned), ``repetition_penalty``,
@@ -214,8 +215,10 @@ class SamplingMixin:
         lora_name: str | None = None,
         **options: Any,
     ) -> list[Any]:
-        """One :meth:`sample` per prompt, in one engine batch; prompt i uses seed ``seed + i``."""
+        """One :meth:`sample` per prompt, in one engine batch; prompt i uses seed ``seed + i``
+        (each in ``[0, 2**63 - 1]``). Every argument is checked before any prompt is queued."""
         prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, lora_name)]
+        seed = check_seed(seed, len(prompts))
         jobs = [
             self._sample_job(p, max_tokens, eos_token_ids, temperature,
                              None if seed is None else seed + i, lora_name, options)
@@ -229,7 +232,7 @@ class SamplingMixin:
             max_tokens=check_max_tokens(max_tokens),
             eos_token_ids=self._eos_set(eos_token_ids),
             temperature=check_temperature(temperature),
-            seed=seed,
+            seed=check_seed(seed),
             options=options,
         )
         return EngineJob(request.token_ids, params, samples_of(params), self._lora_request(request.lora_name))

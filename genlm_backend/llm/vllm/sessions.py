@@ -124,6 +124,8 @@ class SessionPool:
         self.num_opened = 0
         self.num_closed = 0
         self.warned_crowded = False  # more contexts than sessions (warned once)
+        # Contexts whose session made room for another's -> the batch that closed it.
+        self._evicted: dict[LogprobsRequest, int] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -152,7 +154,14 @@ class SessionPool:
             self._park_held()
             return plan
         by_key, sessions, decisions = self._by_key, self._sessions, self.decisions
+        evicted = self._evicted
+        if evicted:  # forget what was closed idle_batches ago
+            evicted = {k: b for k, b in evicted.items() if stamp - b <= self.idle_batches}
+            self._evicted = evicted
         num_extended = num_continued = 0
+        # More contexts at once than sessions: a request finds no room (below), or extends a
+        # context whose session made room for another context a recent batch.
+        crowded = False
         for i, request in enumerate(requests):
             if request is None:
                 continue
@@ -162,8 +171,10 @@ class SessionPool:
                 context = request.token_ids
                 if len(context) < 2:
                     continue
-                session = by_key.get(LogprobsRequest(context[:-1], request.lora_name))
+                parent_key = LogprobsRequest(context[:-1], request.lora_name)
+                session = by_key.get(parent_key)
                 if session is None:
+                    crowded = crowded or parent_key in evicted
                     continue
             if session.stamp == stamp or session.state == "running":
                 continue  # another request of this batch extends it first
@@ -187,17 +198,16 @@ class SessionPool:
         self.num_extended += num_extended
         self.num_continued += num_continued
         self._park_held()
-        # More contexts at once than sessions: a request finds no room, or takes the place of
-        # a session that the batch before used.
-        crowded = False
         for i, request in enumerate(requests):
             if plan[i] is not None or request is None:
                 continue
             if len(sessions) >= self.capacity:
                 victim = next((s for s in sessions.values() if s.stamp != stamp), None)
-                crowded = crowded or victim is None or victim.last_used == stamp - 1
                 if victim is None:
+                    crowded = True
                     continue  # no room: a plain request
+                if victim.key is not None:
+                    evicted[victim.key] = stamp
                 self.close(victim)
             session = Session(f"genlm-session-{next(_ids)}", request.lora_name, next_key=request,
                               stamp=stamp, last_used=stamp)
