@@ -116,8 +116,12 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
             bitsandbytes_opts: keyword arguments of ``transformers.BitsAndBytesConfig``
                 (quantized loading; needs bitsandbytes and a GPU).
             hf_opts: keyword arguments of ``AutoModelForCausalLM.from_pretrained``, e.g.
-                ``dtype``, ``device_map``, ``gguf_file``. Defaults: ``dtype="auto"``; without
-                a ``device_map`` the model is moved to CUDA when available, else stays on CPU.
+                ``dtype``, ``device_map``, ``gguf_file``. Without a ``device_map`` the model is
+                moved to CUDA when available, else stays on CPU. Default ``dtype``: with CUDA,
+                ``"auto"`` (the checkpoint's, often bfloat16: fast, but a prompt's row then
+                depends on the other prompts of its batch beyond rounding); without CUDA,
+                ``torch.float32``, where a row equals the same prompt's row alone up to
+                float32 rounding (a bfloat16 model on a CPU is no faster per decoding step).
             **kwargs: arguments of the constructor (``batch_size``, ``max_kv_cache_bytes``...).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,7 +137,8 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
             from transformers import BitsAndBytesConfig
 
             opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
-        opts.setdefault("dtype", "auto")
+        if "dtype" not in opts and "torch_dtype" not in opts:
+            opts["dtype"] = "auto" if torch.cuda.is_available() else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_id, **opts)
         if "device_map" not in opts and not bitsandbytes_opts and torch.cuda.is_available():
             model = model.to("cuda")
