@@ -36,8 +36,9 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
 
     Log-probabilities are the float32 log-softmax of the model's logits over its whole output
     vocabulary (``V = vocab_size``), on the model's device, whatever the model's dtype. They
-    equal those of an uncached forward pass of the same prompt up to floating-point
-    reordering (below 1e-5 in float32 on the CPU).
+    equal those of an uncached forward pass of the same prompt alone up to floating-point
+    reordering: within 1e-4 for a float32 model (the default without CUDA); a bfloat16
+    model's rows can move by tenths of a nat with the batch (see ``from_name``).
 
     Key/value reuse: the states of every prompt evaluated are kept in a trie of token
     prefixes, so a prompt that extends a cached one (a particle one token further, a shared
