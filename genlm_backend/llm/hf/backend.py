@@ -122,7 +122,7 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
                 ``"auto"`` (the checkpoint's, often bfloat16: fast, but a prompt's row then
                 depends on the other prompts of its batch beyond rounding); without CUDA,
                 ``torch.float32``, where a row equals the same prompt's row alone up to
-                float32 rounding (a bfloat16 model on a CPU is no faster per decoding step).
+                float32 rounding. Pass ``dtype`` to choose either way.
             **kwargs: arguments of the constructor (``batch_size``, ``max_kv_cache_bytes``...).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
