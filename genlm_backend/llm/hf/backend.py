@@ -36,8 +36,9 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
 
     Log-probabilities are the float32 log-softmax of the model's logits over its whole output
     vocabulary (``V = vocab_size``), on the model's device, whatever the model's dtype. They
-    equal those of an uncached forward pass of the same prompt up to floating-point
-    reordering (below 1e-5 in float32 on the CPU).
+    equal those of an uncached forward pass of the same prompt alone up to floating-point
+    reordering: within 1e-4 for a float32 model (the default without CUDA); a bfloat16
+    model's rows can move by tenths of a nat with the batch (see ``from_name``).
 
     Key/value reuse: the states of every prompt evaluated are kept in a trie of token
     prefixes, so a prompt that extends a cached one (a particle one token further, a shared
@@ -116,8 +117,12 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
             bitsandbytes_opts: keyword arguments of ``transformers.BitsAndBytesConfig``
                 (quantized loading; needs bitsandbytes and a GPU).
             hf_opts: keyword arguments of ``AutoModelForCausalLM.from_pretrained``, e.g.
-                ``dtype``, ``device_map``, ``gguf_file``. Defaults: ``dtype="auto"``; without
-                a ``device_map`` the model is moved to CUDA when available, else stays on CPU.
+                ``dtype``, ``device_map``, ``gguf_file``. Without a ``device_map`` the model is
+                moved to CUDA when available, else stays on CPU. Default ``dtype``: with CUDA,
+                ``"auto"`` (the checkpoint's, often bfloat16: fast, but a prompt's row then
+                depends on the other prompts of its batch beyond rounding); without CUDA,
+                ``torch.float32``, where a row equals the same prompt's row alone up to
+                float32 rounding. Pass ``dtype`` to choose either way.
             **kwargs: arguments of the constructor (``batch_size``, ``max_kv_cache_bytes``...).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,7 +138,8 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
             from transformers import BitsAndBytesConfig
 
             opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
-        opts.setdefault("dtype", "auto")
+        if "dtype" not in opts and "torch_dtype" not in opts:
+            opts["dtype"] = "auto" if torch.cuda.is_available() else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_id, **opts)
         if "device_map" not in opts and not bitsandbytes_opts and torch.cuda.is_available():
             model = model.to("cuda")

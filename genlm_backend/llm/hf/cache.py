@@ -2,24 +2,33 @@
 
 Everything that knows how transformers stores past key/values lives here:
 :func:`make_past` builds a ``DynamicCache`` around tensors we already hold (without copying
-them), :func:`read_past` takes the tensors back out after a forward pass, and
-:func:`accepts_logits_to_keep` asks whether a model can skip computing logits that nobody reads.
+them), :func:`cache_argument` names the forward pass's argument that takes it (``cache`` from
+transformers 5.24, ``past_key_values`` before), :func:`returned_cache` and :func:`read_past`
+take the tensors back out after a forward pass, and :func:`accepts_logits_to_keep` asks
+whether a model can skip computing logits that nobody reads.
 
-Checked against transformers 5.17 and 5.19 (``DynamicCache.layers`` of ``DynamicLayer`` with
-``keys``/``values`` tensors ``[batch, kv_heads, seq, head_dim]``) and, through the fallback,
-the 4.x layout (``key_cache``/``value_cache`` lists). ``tests/llm/test_hf_cache.py`` checks
-that a cache built here equals one built by transformers' own public constructor, so a
-change of layout fails loudly instead of silently corrupting results.
+Checked against transformers 4.56, 4.57, 5.19 and 5.24 (``DynamicCache.layers`` of
+``DynamicLayer`` with ``keys``/``values`` tensors ``[batch, kv_heads, seq, head_dim]``).
+``tests/llm/test_hf_cache.py`` checks that a cache built here equals one built by
+transformers' own public constructor, so a change of layout fails loudly instead of silently
+corrupting results, and that the backend calls nothing the installed version deprecates.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
 
-__all__ = ["accepts_logits_to_keep", "make_past", "read_past"]
+__all__ = [
+    "accepts_logits_to_keep",
+    "cache_argument",
+    "make_past",
+    "read_past",
+    "returned_cache",
+]
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -73,6 +82,32 @@ def read_past(cache: Any) -> list[KV]:
     raise RuntimeError(  # pragma: no cover
         f"genlm_backend cannot read a {type(cache).__name__}; update genlm_backend/llm/hf/cache.py"
     )
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword that passes past key/values to ``model``'s forward pass.
+
+    ``cache`` where the (base) model's forward takes it (transformers >= 5.24, which deprecates
+    ``past_key_values``), else ``past_key_values``. A peft model forwards keyword arguments to
+    its base model, so the base model's signature decides.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_argument(type(base))
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    try:
+        parameters = inspect.signature(model_class.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The cache a forward pass returned: ``output.cache`` (transformers >= 5.24) or
+    ``output.past_key_values``, read without touching the deprecated name."""
+    return output["cache"] if "cache" in output else output["past_key_values"]
 
 
 def accepts_logits_to_keep(model: Any) -> bool:

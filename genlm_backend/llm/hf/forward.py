@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .cache import make_past, read_past
+from .cache import cache_argument, make_past, read_past, returned_cache
 from .kvtrie import KVBlock, KVSource, KVTrie, gather_past
 
 __all__ = ["Step", "make_step", "plan_chunks", "run_chunk", "shared_prefixes"]
@@ -186,7 +186,8 @@ def run_chunk(
     kwargs = _inputs(steps, width, num_new, is_padded, device)
     pick = _logits_to_keep(steps, num_new, keeps_logits, kwargs, device)
 
-    out = model(past_key_values=make_past(past), use_cache=True, **kwargs)
+    kwargs[cache_argument(model)] = make_past(past)
+    out = model(use_cache=True, **kwargs)
     logits = out.logits
     if pick is None:
         logits = logits[:, -1]
@@ -194,7 +195,8 @@ def run_chunk(
         logits = logits[torch.arange(len(steps), device=logits.device), pick.to(logits.device)]
     logprobs = logits.float().log_softmax(dim=-1)
 
-    block = KVBlock(read_past(out.past_key_values), [width - s.num_cached for s in steps], adapter)
+    offsets = [width - s.num_cached for s in steps]
+    block = KVBlock(read_past(returned_cache(out)), offsets, adapter)
     for source_block in {
         id(s.source.block): s.source.block for s in steps if s.source is not None
     }.values():
