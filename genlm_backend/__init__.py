@@ -14,7 +14,7 @@ from .compat import install_genlm_alias
 
 if TYPE_CHECKING:
     from .llm import AsyncLM, AsyncTransformer, AsyncVirtualLM, MockAsyncLM, ReplicatedLM, load_model_by_name  # noqa: F401
-    from .tokenization import Token, decode_vocab  # noqa: F401
+    from .tokenization import Token, decode_vocab, replace_prefix_tokens  # noqa: F401
     from .trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie  # noqa: F401
 
 __version__ = "0.1.0"
@@ -28,6 +28,7 @@ _EXPORTS = {
     "ReplicatedLM": ".llm",
     "decode_vocab": ".tokenization",
     "Token": ".tokenization",
+    "replace_prefix_tokens": ".tokenization",
     "TokenCharacterTrie": ".trie",
     "ParallelTokenCharacterTrie": ".trie",
     "AsyncTokenCharacterTrie": ".trie",

@@ -21,6 +21,7 @@ EXPORTED = {
     "ReplicatedLM",
     "decode_vocab",
     "Token",
+    "replace_prefix_tokens",
     "TokenCharacterTrie",
     "ParallelTokenCharacterTrie",
     "AsyncTokenCharacterTrie",
