@@ -17,7 +17,9 @@ the machine's floor): the heartbeat's max and p99 lateness (ms); for the beat th
 latest, the loop thread's own CPU time (``max_cpu_ms``: near ``max_ms`` when the loop itself
 computed) and its wait for a core (``max_runq_ms``, Linux: the machine's other load);
 ``own_max_ms``/``own_p99_ms``, each beat's lateness less that wait (the loop's own work and
-its waits for the GIL); the most CPU the loop thread used in one beat (``loop_cpu_*``); the
+its waits for the GIL); ``unwaited_max_ms``, the lateness less the longest wait for a core of
+any thread of the process in that beat (a lower bound of what the process itself caused: a
+GIL holder that waits for a core keeps the loop waiting); the most CPU the loop thread used in one beat (``loop_cpu_*``); the
 longest garbage collection (``max_gc_ms`` wall, ``max_gc_cpu_ms`` CPU, on any thread: it
 holds the GIL), the number of full ones, and the CPU time of one full collection run right
 after the soak (``full_gc_now_cpu_ms``: what the next one would block); and requests (of
@@ -200,6 +202,7 @@ def summarise_beats(heart: Heartbeat) -> dict[str, float]:
     late = heart.late_s
     worst = max(range(len(late)), key=late.__getitem__)
     own = [max(0.0, lag - runq) for lag, runq in zip(late, heart.runq_s)]
+    unwaited = [max(0.0, lag - runq) for lag, runq in zip(late, heart.any_runq_s)]
     return {
         "max_ms": 1000 * late[worst],
         "p99_ms": 1000 * statistics.quantiles(late, n=100)[98],
@@ -210,6 +213,8 @@ def summarise_beats(heart: Heartbeat) -> dict[str, float]:
         # (the loop's own work, waits for the GIL), with the machine's other load taken out.
         "own_max_ms": 1000 * max(own),
         "own_p99_ms": 1000 * statistics.quantiles(own, n=100)[98],
+        # ... less the longest wait for a core of any of its threads (the GIL's holder too).
+        "unwaited_max_ms": 1000 * max(unwaited),
         "loop_cpu_max_ms": 1000 * max(heart.cpu_s),
         "loop_cpu_p99_ms": 1000 * statistics.quantiles(heart.cpu_s, n=100)[98],
         "max_gc_ms": 1000 * max(heart.gc_pauses_s, default=0.0),
@@ -326,6 +331,7 @@ def main() -> None:
         "p50_ms": statistics.median(r["p50_ms"] for r in soaks),
         "own_max_ms": max(r["own_max_ms"] for r in soaks),
         "own_p99_ms": statistics.median(r["own_p99_ms"] for r in soaks),
+        "unwaited_max_ms": max(r["unwaited_max_ms"] for r in soaks),
         "loop_cpu_max_ms": max(r["loop_cpu_max_ms"] for r in soaks),
         "loop_cpu_p99_ms": statistics.median(r["loop_cpu_p99_ms"] for r in soaks),
         "max_vs_idle": max(r["max_ms"] for r in soaks) / max(rows[0]["max_ms"], 1e-3),
@@ -339,6 +345,7 @@ def main() -> None:
         "max_runq_ms",
         "own_max_ms",
         "own_p99_ms",
+        "unwaited_max_ms",
         "loop_cpu_max_ms",
         "loop_cpu_p99_ms",
         "max_gc_ms",

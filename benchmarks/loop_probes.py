@@ -23,33 +23,71 @@ BEAT_S = 0.001
 
 class Heartbeat:
     """Lateness of 1 ms sleeps on the loop, with the loop thread's CPU time in each beat and,
-    on Linux, the time it waited for a core (``/proc/.../schedstat``: runnable, not run)."""
+    on Linux, the time it waited for a core (``/proc/.../schedstat``: runnable, not run), and
+    the longest such wait of any thread of this process in the beat (a thread that holds the
+    GIL while it waits for a core keeps the loop waiting too)."""
 
     def __init__(self) -> None:
         self.late_s: list[float] = []
         self.cpu_s: list[float] = []
         self.runq_s: list[float] = []
+        self.any_runq_s: list[float] = []
         self.last_beat = time.perf_counter()
         self.running = True
 
     async def run(self) -> None:
-        waited = _runqueue_clock()
-        while self.running:
-            start, cpu, runq = time.perf_counter(), time.thread_time(), waited()
-            await asyncio.sleep(BEAT_S)
-            self.last_beat = now = time.perf_counter()
-            self.late_s.append(max(0.0, now - start - BEAT_S))
-            self.cpu_s.append(time.thread_time() - cpu)
-            self.runq_s.append(waited() - runq)
+        loop_thread, runqueue_waits = threading.get_native_id(), _RunqueueWaits()
+        try:
+            while self.running:
+                start, cpu, waits = time.perf_counter(), time.thread_time(), runqueue_waits()
+                await asyncio.sleep(BEAT_S)
+                self.last_beat = now = time.perf_counter()
+                self.late_s.append(max(0.0, now - start - BEAT_S))
+                self.cpu_s.append(time.thread_time() - cpu)
+                after = runqueue_waits()
+                grew = [after[t] - waits[t] for t in after.keys() & waits.keys()]
+                self.runq_s.append(after.get(loop_thread, 0.0) - waits.get(loop_thread, 0.0))
+                self.any_runq_s.append(max(grew, default=0.0))
+        finally:
+            runqueue_waits.close()
 
 
-def _runqueue_clock() -> Any:
-    """Seconds this thread has spent runnable but waiting for a core (0 where unknown)."""
-    try:
-        fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
-    except OSError:
-        return lambda: 0.0
-    return lambda: int(os.pread(fd, 64, 0).split()[1]) / 1e9
+class _RunqueueWaits:
+    """Seconds each thread of this process has spent runnable but waiting for a core, by
+    native thread id (empty where ``/proc`` does not tell); threads are listed again every
+    ``relist`` calls, and each one's file is kept open (a read is then about 2 us)."""
+
+    def __init__(self, relist: int = 50) -> None:
+        self.relist, self.calls = relist, 0
+        self.files: dict[int, int] = {}
+
+    def __call__(self) -> dict[int, float]:
+        if self.calls % self.relist == 0:
+            self._list()
+        self.calls += 1
+        waits = {}
+        for tid, fd in list(self.files.items()):
+            try:
+                waits[tid] = int(os.pread(fd, 64, 0).split()[1]) / 1e9
+            except OSError:  # the thread ended
+                os.close(self.files.pop(tid))
+        return waits
+
+    def _list(self) -> None:
+        try:
+            tids = {int(tid) for tid in os.listdir("/proc/self/task")}
+        except OSError:
+            return
+        for tid in tids - self.files.keys():
+            try:
+                self.files[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for fd in self.files.values():
+            os.close(fd)
+        self.files.clear()
 
 
 class GCPauses:

@@ -32,7 +32,7 @@ def replace_prefix_tokens(
     the template's tokenisation of the whole conversation, which must begin with it. The
     result is the model's ids up to and including its final EOS, followed by the
     template's ids after the last EOS of ``template_prefix_token_ids`` (a newline the template
-    writes after the EOS, the next user message, the generation prompt)::
+    writes after the EOS, the next user message, the generation prompt). With EOS id 2:
 
         model_prefix_token_ids    = [11, 12, 13, 40, 41, 220, 17, 2]     # model wrote 220, 17
         template_prefix_token_ids = [11, 12, 13, 40, 41, 1001, 2]        # template: 1001
