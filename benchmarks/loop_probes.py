@@ -37,17 +37,19 @@ class Heartbeat:
 
     async def run(self) -> None:
         loop_thread, runqueue_waits = threading.get_native_id(), _RunqueueWaits()
+        waits = runqueue_waits()
         try:
             while self.running:
-                start, cpu, waits = time.perf_counter(), time.thread_time(), runqueue_waits()
+                start, cpu = time.perf_counter(), time.thread_time()
                 await asyncio.sleep(BEAT_S)
                 self.last_beat = now = time.perf_counter()
                 self.late_s.append(max(0.0, now - start - BEAT_S))
                 self.cpu_s.append(time.thread_time() - cpu)
-                after = runqueue_waits()
+                after = runqueue_waits()  # (read once a beat: the next beat starts from it)
                 grew = [after[t] - waits[t] for t in after.keys() & waits.keys()]
                 self.runq_s.append(after.get(loop_thread, 0.0) - waits.get(loop_thread, 0.0))
                 self.any_runq_s.append(max(grew, default=0.0))
+                waits = after
         finally:
             runqueue_waits.close()
 
