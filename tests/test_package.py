@@ -20,6 +20,7 @@ EXPORTED = {
     "MockAsyncLM",
     "decode_vocab",
     "Token",
+    "replace_prefix_tokens",
     "TokenCharacterTrie",
     "ParallelTokenCharacterTrie",
     "AsyncTokenCharacterTrie",

@@ -590,3 +590,38 @@ def test_the_crowding_warning_counts_contexts_extended_at_once(num_contexts, bat
         steps.lockstep([contexts[i // 2] for i in range(num_contexts)], 3, batch_size)  # forks
     crowded = [w for w in caught if "max_num_seqs" in str(w.message)]
     assert len(crowded) == (1 if warns else 0)
+
+
+def test_a_closed_session_is_freed_without_the_cycle_collector():
+    """A session kept its capture target, ``partial(pool.deliver, session)``, after it was
+    closed: a reference cycle per session, which only the cycle collector frees. The
+    collector holds the GIL while it runs (and the event loop waits for it), and a program
+    that opens and closes sessions quickly left thousands of them to it."""
+    import gc
+    from types import SimpleNamespace
+
+    from genlm_backend.llm.prompts import PromptChecker
+    from genlm_backend.llm.vllm.sessions import Session, SessionPool
+
+    targets = {}
+    pool = SessionPool([].extend, 4, park=None, follow=targets.__setitem__, unfollow=targets.pop)
+    checker = PromptChecker(100, None)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for i in range(3):
+            (entry,) = pool.plan([checker.request([1, 2, 3 + i], None)], None)
+            job = SimpleNamespace(result=None, batch=None, stream_request=None, params=object())
+            pool.bind(entry, job, tag=i)
+            assert targets[i] is entry.session.deliver
+            pool.close(entry.session)
+            del entry, job
+        assert not targets and len(pool) == 0
+        gc.collect()
+        left = [obj for obj in gc.garbage if isinstance(obj, Session)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []

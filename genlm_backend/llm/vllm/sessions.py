@@ -347,7 +347,9 @@ class SessionPool:
             if session.deliver is not None:
                 self._unfollow(session.tag)
             self.decisions.pop(session.tag, None)
-        session.next_key = session.job = session.batch = None
+        # ``deliver`` holds the session: without it the session is freed by reference
+        # counting, not left to the cycle collector (which holds the GIL while it runs).
+        session.next_key = session.job = session.batch = session.deliver = None
         session.state = "closed"
         self.num_closed += 1
         self._abort([session.request_id])
