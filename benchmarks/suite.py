@@ -256,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--out-dir", type=Path, default=SCRATCH_DIR,
-        help="default: benchmark-out/ (git-ignored); benchmarks/results holds the figures of record",
+        help="default: benchmark-out/ (git-ignored); benchmarks/results: the figures of record",
     )
     options = parser.parse_args(argv)
     unknown = sorted(set(options.workloads) - {"all", *WORKLOADS})
