@@ -36,7 +36,8 @@ def test_an_editable_install_prints_no_warning(tmp_path):
     # environment's own installation is left as it is.
     done = subprocess.run(
         [sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "-q", "--no-deps",
-         "--no-build-isolation", "--no-index", "-e", str(project), "--prefix", str(tmp_path / "prefix")],
+         "--no-build-isolation", "--no-index", "-e", str(project),
+         "--prefix", str(tmp_path / "prefix")],
         capture_output=True, text=True, timeout=300, check=False,
     )
     output = done.stdout + done.stderr
