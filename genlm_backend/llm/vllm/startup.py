@@ -33,8 +33,9 @@ load it back (the CPU platform compiles with plain ``inductor``, whose loaded fu
 the ``finalize_loading`` of vLLM's own), so each start logs "Compiling model again due to a
 load failure" and compiles for about a minute on two cores. :func:`cpu_compile_defaults`
 starts such engines without compiling (``compilation_config={"mode": 0}``: vLLM's CPU
-kernels run eagerly, at about the same step time) unless the caller chose a
-``compilation_config`` or ``enforce_eager``. ``VLLM_USE_AOT_COMPILE`` is read when the model
+kernels run eagerly; the engine starts in seconds, and its steps are somewhat slower than
+compiled ones, most for batches of a few sequences) unless the caller chose a
+``compilation_config`` (e.g. ``{"mode": 3}`` to compile, at every start) or ``enforce_eager``. ``VLLM_USE_AOT_COMPILE`` is read when the model
 runs too, so switching it off only while the engine is built would not do.
 
 vLLM configures its own logger as an engine is built, at INFO unless told otherwise: some
