@@ -42,7 +42,8 @@ vLLM configures its own logger as an engine is built, at INFO unless told otherw
 forty lines a start. Unless the caller configured vLLM's logging (``log_level`` or
 ``logging_config`` in the engine options, ``VLLM_LOGGING_LEVEL``,
 ``VLLM_CONFIGURE_LOGGING`` or ``VLLM_LOGGING_CONFIG_PATH``),
-the engine is started with vLLM's ``log_level="WARNING"`` (:func:`quiet_log_defaults`), and
+the engine is started with vLLM's ``log_level="WARNING"`` (:func:`quiet_log_defaults`; vLLM
+keeps its logger at that level afterwards, as it keeps its own INFO otherwise), and
 while it is built :func:`quiet_start` also drops the warnings of the modules that only
 describe the setup chosen here or the machine (the engine core in this process, no
 compilation, libraries missing from ``LD_PRELOAD``).
