@@ -35,18 +35,18 @@ load failure" and compiles for about a minute on two cores. :func:`cpu_compile_d
 starts such engines without compiling (``compilation_config={"mode": 0}``: vLLM's CPU
 kernels run eagerly; the engine starts in seconds, and its steps are somewhat slower than
 compiled ones, most for batches of a few sequences) unless the caller chose a
-``compilation_config`` (e.g. ``{"mode": 3}`` to compile, at every start) or ``enforce_eager``. ``VLLM_USE_AOT_COMPILE`` is read when the model
-runs too, so switching it off only while the engine is built would not do.
+``compilation_config`` (e.g. ``{"mode": 3}`` to compile, at every start) or
+``enforce_eager``. ``VLLM_USE_AOT_COMPILE`` is read when the model runs too, so switching it
+off only while the engine is built would not do.
 
 vLLM configures its own logger as an engine is built, at INFO unless told otherwise: some
 forty lines a start. Unless the caller configured vLLM's logging (``log_level`` or
-``logging_config`` in the engine options, ``VLLM_LOGGING_LEVEL``,
-``VLLM_CONFIGURE_LOGGING`` or ``VLLM_LOGGING_CONFIG_PATH``),
-the engine is started with vLLM's ``log_level="WARNING"`` (:func:`quiet_log_defaults`; vLLM
-keeps its logger at that level afterwards, as it keeps its own INFO otherwise), and
-while it is built :func:`quiet_start` also drops the warnings of the modules that only
-describe the setup chosen here or the machine (the engine core in this process, no
-compilation, libraries missing from ``LD_PRELOAD``).
+``logging_config`` in the engine options, ``VLLM_LOGGING_LEVEL``, ``VLLM_CONFIGURE_LOGGING``
+or ``VLLM_LOGGING_CONFIG_PATH``), the engine is started with vLLM's ``log_level="WARNING"``
+(:func:`quiet_log_defaults`; vLLM keeps its logger at that level afterwards, as it keeps its
+own INFO otherwise), and while it is built :func:`quiet_start` also drops the warnings of
+the modules that only describe the setup chosen here or the machine (the engine core in this
+process, no compilation, libraries missing from ``LD_PRELOAD``).
 """
 
 from __future__ import annotations
@@ -171,10 +171,10 @@ def _errors_only(record: logging.LogRecord) -> bool:
 
 @contextlib.contextmanager
 def quiet_start(chosen: dict) -> Iterator[None]:
-    """While an engine is built, unless the caller configured vLLM's logging: only errors of
-    the loggers of :data:`SETUP_LOGGERS` (a filter on each: vLLM resets their levels when it
-    configures its logging) and vLLM's deprecation warnings of the Python ``warnings``
-    module ignored; both as they were on the way out."""
+    """While an engine is built, unless the caller configured vLLM's logging: lets only errors
+    through the loggers of :data:`SETUP_LOGGERS` (a filter on each, since vLLM resets their
+    levels as it configures its logging) and ignores vLLM's deprecation warnings (Python's
+    ``warnings``); both are as they were on the way out."""
     if logging_configured(chosen):
         yield
         return
