@@ -19,7 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The figures of record, which the READMEs cite: written only where a run is told to
+# (``--out-dir benchmarks/results``).
 RESULTS_DIR = Path(__file__).parent / "results"
+# Where a run writes unless told otherwise (git-ignored).
+SCRATCH_DIR = Path(__file__).resolve().parent.parent / "benchmark-out"
 
 
 def measure(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
@@ -66,8 +70,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_json(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
-    """Writes ``payload`` plus machine info to ``out_dir/name.json`` and returns the path."""
-    out_dir = Path(out_dir or RESULTS_DIR)
+    """Writes ``payload`` plus machine info to ``out_dir/name.json`` (default:
+    :data:`SCRATCH_DIR`) and returns the path."""
+    out_dir = Path(out_dir or SCRATCH_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     payload = {"workload": name, "machine": machine_info(), **payload}

