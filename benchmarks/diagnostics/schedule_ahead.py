@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `b
 
 import torch
 
-from benchmarks.common import summarise
+from benchmarks.common import SCRATCH_DIR, summarise
 from benchmarks.diagnostics._w1 import parse
 from benchmarks.models import vocab_size, workload
 from genlm_backend.llm.vllm.internals.engine import _model_runner
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
     result.update(config={**{k: str(v) for k, v in vars(args).items()}, "engine_opts": opts,
                           "device": torch.cuda.get_device_name()}, rows=rows)
-    out = Path(__file__).resolve().parents[1] / "results" / "schedule_ahead_gpu.json"
+    SCRATCH_DIR.mkdir(exist_ok=True)
+    out = SCRATCH_DIR / "schedule_ahead_gpu.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
