@@ -13,13 +13,8 @@ from typing import TYPE_CHECKING, Any
 from .compat import install_genlm_alias
 
 if TYPE_CHECKING:
-<<<<<<< HEAD
     from .llm import AsyncLM, AsyncTransformer, AsyncVirtualLM, MockAsyncLM, load_model_by_name  # noqa: F401
-    from .tokenization import Token, decode_vocab  # noqa: F401
-=======
-    from .llm import AsyncLM, AsyncTransformer, AsyncVirtualLM, MockAsyncLM, ReplicatedLM, load_model_by_name  # noqa: F401
     from .tokenization import Token, decode_vocab, replace_prefix_tokens  # noqa: F401
->>>>>>> fix-f
     from .trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie  # noqa: F401
 
 __version__ = "0.1.0"
