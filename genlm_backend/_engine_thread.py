@@ -5,6 +5,10 @@ requests running between lockstep steps: code running *on* the thread (inside an
 step) may :meth:`~EngineThread.hold` — wait for the next batch's plan without leaving the
 step — and tasks submitted with :meth:`~EngineThread.submit_hold_safe` run inline during
 such a wait. Any other task ends the wait: the step finishes and that task runs next.
+
+Engines that share process-wide state (vLLM's in-process engines) give their threads one
+``lock``: a thread holds it while it runs a task, and lets it go while it holds, so that
+their engine calls never overlap.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ class EngineThread(concurrent.futures.Executor):
     lockstep sampling hands the engine thread a batch every step.
     """
 
-    def __init__(self, name: str = "genlm-engine"):
+    def __init__(self, name: str = "genlm-engine", lock: threading.Lock | None = None):
+        self._lock = lock
+        self._last: _Task | None = None  # runs once the queue is done after a shutdown
         self._queue: collections.deque[_Task] = collections.deque()
         self._wakeup = threading.Lock()
         self._wakeup.acquire()  # released: "look at the queue"
@@ -94,10 +100,22 @@ class EngineThread(concurrent.futures.Executor):
         tasks inline as they come; True once it is.
 
         Returns False at once when the next queued task is not hold-safe (other work wants
-        the engine), and after ``timeout`` seconds or a shutdown.
+        the engine), and after ``timeout`` seconds or a shutdown. The thread's ``lock`` is
+        let go while it waits (other engines' threads run meanwhile) and held again to run a
+        task and before this returns.
         """
         if not self.on_thread:
             raise RuntimeError("EngineThread.hold runs on the engine thread only")
+        lock = self._lock
+        if lock is None:
+            return self._hold(until, timeout)
+        lock.release()
+        try:
+            return self._hold(until, timeout)
+        finally:
+            lock.acquire()
+
+    def _hold(self, until: Callable[[], bool], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         queue = self._queue
         while True:
@@ -110,7 +128,7 @@ class EngineThread(concurrent.futures.Executor):
                     task = queue.popleft()
                 except IndexError:  # emptied by a shutdown meanwhile
                     continue
-                task.run()
+                self._run(task)
                 if until():
                     return True
                 continue
@@ -118,6 +136,13 @@ class EngineThread(concurrent.futures.Executor):
             if left <= 0:
                 return False
             self._wakeup.acquire(timeout=left)
+
+    def _run(self, task: _Task) -> None:
+        if self._lock is None:
+            task.run()
+        else:
+            with self._lock:
+                task.run()
 
     def _work(self) -> None:
         queue = self._queue
@@ -127,16 +152,30 @@ class EngineThread(concurrent.futures.Executor):
                     task = queue.popleft()
                 except IndexError:  # emptied by a shutdown meanwhile
                     continue
-                task.run()
+                self._run(task)
                 del task
             elif self._closed:
+                if self._last is not None:
+                    self._run(self._last)
                 return
             else:
                 self._wakeup.acquire()
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False,
+                 last: Callable[[], Any] | None = None) -> concurrent.futures.Future | None:
+        """Refuses new tasks; the thread ends once the queued ones ran (``cancel_futures``:
+        they are cancelled instead, except the one running).
+
+        ``last``: a call the thread makes before it ends, after every other task (given to
+        the first shutdown only; a later shutdown does not cancel it); its future is
+        returned. ``wait``: returns once the thread has ended (not when called on it).
+        """
         with self._closing:
+            first = not self._closed
+            if first and last is not None:  # before "closed": the worker reads it after that
+                self._last = _Task(last, (), {}, False)
             self._closed = True
+        last_future = self._last.future if first and self._last is not None else None
         if cancel_futures:
             while self._queue:
                 try:
@@ -146,3 +185,4 @@ class EngineThread(concurrent.futures.Executor):
         self._wake()
         if wait and not self.on_thread:
             self._thread.join()
+        return last_future
