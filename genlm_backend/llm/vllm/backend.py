@@ -83,7 +83,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         llm: a ``vllm.LLM`` built with ``logits_processors=[LogprobsCaptureProcessor]``
             (:meth:`from_name` does this), its engine core in this process (from_name
             builds it so; a ``vllm.LLM`` of your own needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-            while it is built). Its workers may be other processes
+            while it is built, and, where other engines of this process run meanwhile, to be
+            built under :data:`.engine.ENGINE_LOCK`, as from_name does). Its workers may be other processes
             (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``): rows then
             come through memory both processes map, on the worker's device, and sessions
             are held as in one process (parked instead under async scheduling).
