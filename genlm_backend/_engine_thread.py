@@ -7,8 +7,9 @@ step — and tasks submitted with :meth:`~EngineThread.submit_hold_safe` run inl
 such a wait. Any other task ends the wait: the step finishes and that task runs next.
 
 Engines that share process-wide state (vLLM's in-process engines) give their threads one
-``lock``: a thread holds it while it runs a task, and lets it go while it holds, so that
-their engine calls never overlap.
+:class:`TurnLock`: a thread holds it while it runs a task, lets it go while it holds, and
+passes the turn between engine steps (:meth:`~EngineThread.pass_turn`), so that their
+engine calls never overlap and none waits for another's whole batch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,50 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EngineThread"]
+__all__ = ["EngineThread", "TurnLock"]
+
+
+class TurnLock:
+    """A lock for threads that take turns: its holder may let the threads that wait for it
+    go first between two pieces of work (:meth:`pass_turn`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = threading.Lock()  # guards the two counters
+        self._waiting = 0
+        self._taken = 0
+
+    def acquire(self) -> bool:
+        with self._count:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._count:
+            self._waiting -= 1
+            self._taken += 1
+        return True
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+    def pass_turn(self, timeout: float = 0.05) -> None:
+        """By the holder: where other threads wait, lets one of them take the lock (waiting
+        at most ``timeout`` seconds for it to), then waits for the lock again."""
+        if not self._waiting:
+            return
+        taken = self._taken
+        self._lock.release()
+        deadline = time.monotonic() + timeout
+        while self._taken == taken and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        self.acquire()
 
 
 class _Task:
@@ -49,7 +93,7 @@ class EngineThread(concurrent.futures.Executor):
     lockstep sampling hands the engine thread a batch every step.
     """
 
-    def __init__(self, name: str = "genlm-engine", lock: threading.Lock | None = None):
+    def __init__(self, name: str = "genlm-engine", lock: TurnLock | None = None):
         self._lock = lock
         self._last: _Task | None = None  # runs once the queue is done after a shutdown
         self._queue: collections.deque[_Task] = collections.deque()
@@ -114,6 +158,12 @@ class EngineThread(concurrent.futures.Executor):
             return self._hold(until, timeout)
         finally:
             lock.acquire()
+
+    def pass_turn(self) -> None:
+        """On the thread, between two engine steps of a task: lets the threads that share
+        its lock and wait for it run first (nothing without a lock or waiters)."""
+        if self._lock is not None:
+            self._lock.pass_turn()
 
     def _hold(self, until: Callable[[], bool], timeout: float) -> bool:
         deadline = time.monotonic() + timeout

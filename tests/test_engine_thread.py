@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from genlm_backend._engine_thread import EngineThread
+from genlm_backend._engine_thread import EngineThread, TurnLock
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_threads_sharing_a_lock_run_one_task_at_a_time_and_a_hold_lets_it_go():
     """Two engine threads with one lock: their tasks never overlap, and while one holds (a
     step waiting for the next batch) the other runs; the holder has the lock again when its
     hold ends and while it runs a hold-safe task inline."""
-    lock = threading.Lock()
+    lock = TurnLock()
     first, second = EngineThread("first", lock), EngineThread("second", lock)
     running, overlaps, decided, log = [], [], [], []
 
@@ -177,3 +177,33 @@ def test_the_last_task_runs_once_on_the_thread_after_the_call_in_flight():
     thread._thread.join(timeout=10)
     assert running.done() and queued.cancelled()
     assert calls == ["running", ("last", "genlm-test-last")]
+
+
+def test_a_long_task_passes_the_turn_between_its_steps_to_a_waiting_thread():
+    """A task of many engine steps on one thread: another thread's tasks, which share its
+    lock, run between two of its steps instead of after the whole task; without a waiter
+    the turn is kept."""
+    lock = TurnLock()
+    first, second = EngineThread("first", lock), EngineThread("second", lock)
+    log, started = [], threading.Event()
+
+    def long_task():
+        for step in range(40):
+            log.append(("first", step))
+            started.set()
+            time.sleep(0.002)
+            first.pass_turn()
+
+    try:
+        first.submit(lambda: [first.pass_turn() for _ in range(3)]).result(timeout=5)  # no waiter
+        long = first.submit(long_task)
+        assert started.wait(5)
+        others = [second.submit(log.append, ("second", i)) for i in range(3)]
+        for future in [*others, long]:
+            future.result(timeout=10)
+        last_step = log.index(("first", 39))
+        assert all(log.index(("second", i)) < last_step for i in range(3)), log
+        assert not lock.locked()
+    finally:
+        first.shutdown(wait=True)
+        second.shutdown(wait=True)

@@ -203,6 +203,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         if self._holds:
             self._sink.on_step = self._on_step
         self._runner.on_retry = self._on_retry
+        self._runner.between_steps = self._engine_thread.pass_turn
         self.set_sessions(sessions)
         self._runner.free_parked = self._sessions.free_parked
         # A sampling batch is one engine call that vLLM schedules continuously: capping it at

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..._engine_thread import TurnLock
 from ...exceptions import ClosedError, EngineError, InvalidRequestError
 from . import internals
 
@@ -26,9 +26,9 @@ __all__ = ["ENGINE_LOCK", "EngineJob", "EngineRunner", "RowBatch"]
 # Held by whatever runs an in-process vLLM engine of this process (a step, a request added,
 # an adapter loaded, a shutdown; the engine build of ``from_name``): vLLM keeps the state of
 # the step being run in process-wide globals (its forward context), so two engines' calls
-# must not overlap. Every AsyncVirtualLM's engine thread holds it while it runs a task, and
-# lets it go while a step holds for the next batch.
-ENGINE_LOCK = threading.Lock()
+# must not overlap. Every AsyncVirtualLM's engine thread holds it while it runs a task, lets
+# it go while a step holds for the next batch, and passes the turn between steps.
+ENGINE_LOCK = TurnLock()
 
 _PENDING = object()
 
@@ -136,6 +136,7 @@ class EngineRunner:
         # (a job's LoRARequest) -> the error that fails the job instead of adding it, or None.
         self.check_lora: Callable[[Any], BaseException | None] = lambda lora_request: None
         self.in_step = False
+        self.between_steps: Callable[[], None] = lambda: None  # other engines' turn
         self.closed = False  # set by close(): the run in flight stops after its step
         self._deferred_aborts: list[str] = []
         self._batch: RowBatch | None = None
@@ -274,6 +275,7 @@ class EngineRunner:
                     job.finish(result)
                 # Log-probability rows arrive inside the step that computes them.
                 running = {rid: job for rid, job in running.items() if not job.is_done}
+                self.between_steps()
             for job in running.values():
                 job.finish(EngineError("the engine finished without returning this request"))
             running.clear()
