@@ -5,6 +5,11 @@ requests running between lockstep steps: code running *on* the thread (inside an
 step) may :meth:`~EngineThread.hold` — wait for the next batch's plan without leaving the
 step — and tasks submitted with :meth:`~EngineThread.submit_hold_safe` run inline during
 such a wait. Any other task ends the wait: the step finishes and that task runs next.
+
+Engines that share process-wide state (vLLM's in-process engines) give their threads one
+:class:`TurnLock`: a thread holds it while it runs a task, lets it go while it holds, and
+passes the turn between engine steps (:meth:`~EngineThread.pass_turn`), so that their
+engine calls never overlap and none waits for another's whole batch.
 """
 
 from __future__ import annotations
@@ -16,7 +21,50 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EngineThread"]
+__all__ = ["EngineThread", "TurnLock"]
+
+
+class TurnLock:
+    """A lock for threads that take turns: its holder may let the threads that wait for it
+    go first between two pieces of work (:meth:`pass_turn`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = threading.Lock()  # guards the two counters
+        self._waiting = 0
+        self._taken = 0
+
+    def acquire(self) -> bool:
+        with self._count:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._count:
+            self._waiting -= 1
+            self._taken += 1
+        return True
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+    def pass_turn(self, timeout: float = 0.05) -> None:
+        """By the holder: where other threads wait, lets one of them take the lock (waiting
+        at most ``timeout`` seconds for it to), then waits for the lock again."""
+        if not self._waiting:
+            return
+        taken = self._taken
+        self._lock.release()
+        deadline = time.monotonic() + timeout
+        while self._taken == taken and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        self.acquire()
 
 
 class _Task:
@@ -45,7 +93,9 @@ class EngineThread(concurrent.futures.Executor):
     lockstep sampling hands the engine thread a batch every step.
     """
 
-    def __init__(self, name: str = "genlm-engine"):
+    def __init__(self, name: str = "genlm-engine", lock: TurnLock | None = None):
+        self._lock = lock
+        self._last: _Task | None = None  # runs once the queue is done after a shutdown
         self._queue: collections.deque[_Task] = collections.deque()
         self._wakeup = threading.Lock()
         self._wakeup.acquire()  # released: "look at the queue"
@@ -94,10 +144,28 @@ class EngineThread(concurrent.futures.Executor):
         tasks inline as they come; True once it is.
 
         Returns False at once when the next queued task is not hold-safe (other work wants
-        the engine), and after ``timeout`` seconds or a shutdown.
+        the engine), and after ``timeout`` seconds or a shutdown. The thread's ``lock`` is
+        let go while it waits (other engines' threads run meanwhile) and held again to run a
+        task and before this returns.
         """
         if not self.on_thread:
             raise RuntimeError("EngineThread.hold runs on the engine thread only")
+        lock = self._lock
+        if lock is None:
+            return self._hold(until, timeout)
+        lock.release()
+        try:
+            return self._hold(until, timeout)
+        finally:
+            lock.acquire()
+
+    def pass_turn(self) -> None:
+        """On the thread, between two engine steps of a task: lets the threads that share
+        its lock and wait for it run first (nothing without a lock or waiters)."""
+        if self._lock is not None:
+            self._lock.pass_turn()
+
+    def _hold(self, until: Callable[[], bool], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         queue = self._queue
         while True:
@@ -110,7 +178,7 @@ class EngineThread(concurrent.futures.Executor):
                     task = queue.popleft()
                 except IndexError:  # emptied by a shutdown meanwhile
                     continue
-                task.run()
+                self._run(task)
                 if until():
                     return True
                 continue
@@ -118,6 +186,13 @@ class EngineThread(concurrent.futures.Executor):
             if left <= 0:
                 return False
             self._wakeup.acquire(timeout=left)
+
+    def _run(self, task: _Task) -> None:
+        if self._lock is None:
+            task.run()
+        else:
+            with self._lock:
+                task.run()
 
     def _work(self) -> None:
         queue = self._queue
@@ -127,16 +202,30 @@ class EngineThread(concurrent.futures.Executor):
                     task = queue.popleft()
                 except IndexError:  # emptied by a shutdown meanwhile
                     continue
-                task.run()
+                self._run(task)
                 del task
             elif self._closed:
+                if self._last is not None:
+                    self._run(self._last)
                 return
             else:
                 self._wakeup.acquire()
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False,
+                 last: Callable[[], Any] | None = None) -> concurrent.futures.Future | None:
+        """Refuses new tasks; the thread ends once the queued ones ran (``cancel_futures``:
+        they are cancelled instead, except the one running).
+
+        ``last``: a call the thread makes before it ends, after every other task (given to
+        the first shutdown only; a later shutdown does not cancel it); its future is
+        returned. ``wait``: returns once the thread has ended (not when called on it).
+        """
         with self._closing:
+            first = not self._closed
+            if first and last is not None:  # before "closed": the worker reads it after that
+                self._last = _Task(last, (), {}, False)
             self._closed = True
+        last_future = self._last.future if first and self._last is not None else None
         if cancel_futures:
             while self._queue:
                 try:
@@ -146,3 +235,4 @@ class EngineThread(concurrent.futures.Executor):
         self._wake()
         if wait and not self.on_thread:
             self._thread.join()
+        return last_future

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from genlm_backend._engine_thread import EngineThread
+from genlm_backend._engine_thread import EngineThread, TurnLock
 
 
 @pytest.fixture
@@ -116,3 +116,94 @@ def test_a_submit_racing_a_shutdown_is_run_or_cancelled_never_left_pending():
     except concurrent.futures.CancelledError:
         pass  # cancelled by the shutdown: settled all the same
     assert not thread._thread.is_alive()
+
+
+def test_threads_sharing_a_lock_run_one_task_at_a_time_and_a_hold_lets_it_go():
+    """Two engine threads with one lock: their tasks never overlap, and while one holds (a
+    step waiting for the next batch) the other runs; the holder has the lock again when its
+    hold ends and while it runs a hold-safe task inline."""
+    lock = TurnLock()
+    first, second = EngineThread("first", lock), EngineThread("second", lock)
+    running, overlaps, decided, log = [], [], [], []
+
+    def task(name):
+        running.append(name)
+        if len(running) > 1:
+            overlaps.append(list(running))
+        time.sleep(0.002)
+        running.remove(name)
+
+    def step():
+        log.append(("locked before hold", lock.locked()))
+        held = first.hold(lambda: bool(decided), timeout=10)
+        log.append(("hold ended", held, lock.locked()))
+
+    try:
+        futures = [t.submit(task, t._thread.name) for _ in range(50) for t in (first, second)]
+        for future in futures:
+            future.result(timeout=10)
+        assert overlaps == []
+        first.submit(step)
+        time.sleep(0.05)
+        second.submit(lambda: log.append("second ran during the hold")).result(timeout=5)
+        plan = first.submit_hold_safe(
+            lambda: (log.append(("inline", lock.locked())), decided.append(1)))
+        plan.result(timeout=5)
+        first.submit(lambda: None).result(timeout=5)
+        assert log == [("locked before hold", True), "second ran during the hold", ("inline", True),
+                       ("hold ended", True, True)]
+        assert not lock.locked()
+    finally:
+        first.shutdown(wait=True)
+        second.shutdown(wait=True)
+
+
+def test_the_last_task_runs_once_on_the_thread_after_the_call_in_flight():
+    """``shutdown(last=...)``: queued calls are cancelled, the one running finishes, then
+    ``last`` runs on the thread, once; a second shutdown neither cancels nor repeats it."""
+    thread = EngineThread("genlm-test-last")
+    started, gate, calls = threading.Event(), threading.Event(), []
+    running = thread.submit(lambda: (started.set(), gate.wait(10), calls.append("running")))
+    assert started.wait(10)
+    queued = thread.submit(calls.append, "queued")
+    def last():
+        calls.append(("last", threading.current_thread().name))
+
+    done = thread.shutdown(wait=False, cancel_futures=True, last=last)
+    again = thread.shutdown(wait=False, cancel_futures=True, last=lambda: calls.append("again"))
+    assert again is None
+    gate.set()
+    done.result(timeout=10)
+    thread._thread.join(timeout=10)
+    assert running.done() and queued.cancelled()
+    assert calls == ["running", ("last", "genlm-test-last")]
+
+
+def test_a_long_task_passes_the_turn_between_its_steps_to_a_waiting_thread():
+    """A task of many engine steps on one thread: another thread's tasks, which share its
+    lock, run between two of its steps instead of after the whole task; without a waiter
+    the turn is kept."""
+    lock = TurnLock()
+    first, second = EngineThread("first", lock), EngineThread("second", lock)
+    log, started = [], threading.Event()
+
+    def long_task():
+        for step in range(40):
+            log.append(("first", step))
+            started.set()
+            time.sleep(0.002)
+            first.pass_turn()
+
+    try:
+        first.submit(lambda: [first.pass_turn() for _ in range(3)]).result(timeout=5)  # no waiter
+        long = first.submit(long_task)
+        assert started.wait(5)
+        others = [second.submit(log.append, ("second", i)) for i in range(3)]
+        for future in [*others, long]:
+            future.result(timeout=10)
+        last_step = log.index(("first", 39))
+        assert all(log.index(("second", i)) < last_step for i in range(3)), log
+        assert not lock.locked()
+    finally:
+        first.shutdown(wait=True)
+        second.shutdown(wait=True)

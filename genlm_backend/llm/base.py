@@ -85,7 +85,7 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
         self.batch_size = batch_size
         self.timeout = timeout
         # One engine thread for every batcher of this model: engine calls never overlap.
-        self._engine_thread = EngineThread(f"genlm-{type(self).__name__}")
+        self._engine_thread = EngineThread(f"genlm-{type(self).__name__}", self._engine_lock)
         self._logprobs_batcher = Batcher(
             self._evaluate_logprobs,
             max_batch_size=batch_size,
@@ -111,6 +111,10 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
     # True: ``_evaluate_logprobs`` is called on the event loop's thread and returns an
     # ``asyncio.Future`` of the rows (it hands the work to the engine thread itself).
     _evaluates_on_loop = False
+
+    # A lock the engine thread holds while it runs a task, shared by every model of a backend
+    # whose engines share process-wide state (their engine calls must not overlap).
+    _engine_lock: Any = None
 
     @abstractmethod
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Sequence[Any]:

@@ -184,3 +184,69 @@ async def test_a_lockstep_run_leaves_the_callers_thread_and_process_settings_as_
     vlm.close_sessions()
     assert all(s == before for s in seen), (before, seen)
     assert settings() == before
+
+
+@pytest.mark.parametrize("caller", ["event loop", "another thread"])
+async def test_cleanup_during_a_lockstep_step_returns_at_once_and_shuts_the_engine_down_once(
+    tiny_model_dirs, monkeypatch, caller
+):
+    """``cleanup()`` while a lockstep program's batch is in flight (held sessions, vLLM's
+    defaults for them): it returns within seconds, every awaiter gets ``ClosedError``, and
+    the engine is shut down once, on its own thread. It used to leave the held sessions
+    stepping until a 60 s stall timeout, then shut the engine down from the caller's thread
+    as well."""
+    import threading
+    import time
+
+    from vllm_fixtures import prompts_of
+
+    from genlm_backend.exceptions import ClosedError
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    lm = AsyncVirtualLM.from_name(
+        str(tiny_model_dirs["base"]),
+        engine_opts={"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "seed": 0,
+                     **GPU_ENGINE_OPTS},
+    )
+    engine_thread = lm._engine_thread._thread
+    core = lm.llm.llm_engine.engine_core
+    shutdowns, shutdown = [], core.shutdown
+
+    def counted_shutdown(*args, **kwargs):
+        shutdowns.append(threading.current_thread())
+        return shutdown(*args, **kwargs)
+
+    monkeypatch.setattr(core, "shutdown", counted_shutdown)
+    contexts = prompts_of([5, 8, 9, 11], seed=3)
+    errors = []
+
+    async def particle(i):
+        try:
+            while True:
+                row = await lm.next_token_logprobs(contexts[i])
+                contexts[i] = contexts[i] + [int(row.argmax())]
+        except Exception as exc:  # noqa: BLE001 - every awaiter's error is checked below
+            errors.append(exc)
+
+    particles = [asyncio.ensure_future(particle(i)) for i in range(len(contexts))]
+    try:
+        while lm.stats()["engine"]["num_steps"] < 12:
+            await asyncio.sleep(0.001)
+        assert not any(p.done() for p in particles)
+        assert lm.stats()["sessions"]["num_live"] == len(contexts)  # held sessions
+        start = time.perf_counter()
+        if caller == "event loop":
+            lm.cleanup()
+        else:
+            await asyncio.to_thread(lm.cleanup)
+        took = time.perf_counter() - start
+        await asyncio.wait_for(asyncio.gather(*particles), timeout=10)
+    finally:
+        lm.cleanup()
+        for p in particles:
+            p.cancel()
+    assert took < 5, took
+    assert len(errors) == len(contexts) and all(isinstance(e, ClosedError) for e in errors), errors
+    engine_thread.join(timeout=10)
+    assert not engine_thread.is_alive()
+    assert shutdowns == [engine_thread]

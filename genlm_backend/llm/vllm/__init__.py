@@ -5,21 +5,13 @@ mixins); :mod:`.engine` steps the engine on the engine thread; :mod:`.capture` a
 :mod:`.forcing` run inside the engine step; :mod:`.sessions` keeps requests alive as engine
 sessions; :mod:`.startup` builds the engine; :mod:`genlm_backend.llm.row_ring` carries rows from worker
 processes. :mod:`.internals` is the seam: the one package that touches vLLM's private parts.
-Importing this package works without vllm installed (the class can be named, not used).
+Importing this package imports no part of vllm (which is imported when an engine is built
+or wrapped), and works without vllm installed (the class can then be named, not used).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from .backend import DEFAULT_ENGINE_OPTS, AsyncVirtualLM
+from .logprobs import listing_refusal
 
 __all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS", "listing_refusal"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "listing_refusal":  # needs vllm
-        from .logprobs import listing_refusal
-
-        return listing_refusal
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

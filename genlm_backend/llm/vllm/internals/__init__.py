@@ -98,66 +98,76 @@ What is relied on:
 
 from __future__ import annotations
 
-from .engine import (
-    CHECKED_VERSIONS,
-    NO_DEEP_COPY,
-    abort_requests,
-    add_request,
-    envs_cache_enabled,
-    free_slots,
-    is_cuda_oom,
-    is_stalled,
-    model_module,
-    output_done,
-    prefer_spawned_workers,
-    prefer_v1_model_runner,
-    register_engine,
-    shutdown,
-)
-from .listed import install_listed_rows
-from .lora import install_lora_base_rows, lora_refusal
-from .remote import RemoteCapture, install_remote_capture
-from .sessions import (
-    add_session_chunk,
-    discard_mask_reader,
-    install_chunk_max_tokens,
-    install_cpu_generator_rewind,
-    install_forced_sampling,
-    install_parked_bypass,
-    open_session,
-    park,
-    supports_sessions,
-)
-from .steady import install_steady_steps
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "CHECKED_VERSIONS",
-    "NO_DEEP_COPY",
-    "RemoteCapture",
-    "abort_requests",
-    "add_request",
-    "add_session_chunk",
-    "discard_mask_reader",
-    "envs_cache_enabled",
-    "free_slots",
-    "install_chunk_max_tokens",
-    "install_cpu_generator_rewind",
-    "install_forced_sampling",
-    "install_listed_rows",
-    "install_lora_base_rows",
-    "install_parked_bypass",
-    "install_remote_capture",
-    "install_steady_steps",
-    "is_cuda_oom",
-    "is_stalled",
-    "lora_refusal",
-    "model_module",
-    "open_session",
-    "output_done",
-    "park",
-    "prefer_spawned_workers",
-    "prefer_v1_model_runner",
-    "register_engine",
-    "shutdown",
-    "supports_sessions",
-]
+if TYPE_CHECKING:
+    from .engine import (
+        CHECKED_VERSIONS,
+        NO_DEEP_COPY,
+        abort_requests,
+        add_request,
+        envs_cache_enabled,
+        free_slots,
+        is_cuda_oom,
+        is_stalled,
+        model_module,
+        output_done,
+        prefer_spawned_workers,
+        prefer_v1_model_runner,
+        register_engine,
+        shutdown,
+    )
+    from .listed import install_listed_rows
+    from .lora import install_lora_base_rows, lora_refusal
+    from .remote import RemoteCapture, install_remote_capture
+    from .sessions import (
+        add_session_chunk,
+        discard_mask_reader,
+        install_chunk_max_tokens,
+        install_cpu_generator_rewind,
+        install_forced_sampling,
+        install_parked_bypass,
+        open_session,
+        park,
+        supports_sessions,
+    )
+    from .steady import install_steady_steps
+
+# Where each name lives. The modules import vllm: they are imported when a name is first
+# used, so that naming AsyncVirtualLM imports no part of vllm.
+_MODULE_OF = {
+    **dict.fromkeys(
+        ("CHECKED_VERSIONS", "NO_DEEP_COPY", "abort_requests", "add_request", "envs_cache_enabled",
+         "free_slots", "is_cuda_oom", "is_stalled", "model_module", "output_done",
+         "prefer_spawned_workers", "prefer_v1_model_runner", "register_engine", "shutdown"),
+        ".engine",
+    ),
+    "install_listed_rows": ".listed",
+    "install_lora_base_rows": ".lora",
+    "lora_refusal": ".lora",
+    "RemoteCapture": ".remote",
+    "install_remote_capture": ".remote",
+    **dict.fromkeys(
+        ("add_session_chunk", "discard_mask_reader", "install_chunk_max_tokens",
+         "install_cpu_generator_rewind", "install_forced_sampling", "install_parked_bypass",
+         "open_session", "park", "supports_sessions"),
+        ".sessions",
+    ),
+    "install_steady_steps": ".steady",
+}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
