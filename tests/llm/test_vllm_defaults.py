@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,8 @@ ENGINE_VARIABLES = (
 # What a user's first script looks like: no ``if __name__ == "__main__":`` guard, no
 # environment variables, vLLM's engine options. It reports what it saw as JSON.
 SCRIPT = f"""
-import json, os, sys
-import psutil, torch
+import json, os, random, sys
+import numpy, psutil, torch
 import vllm.envs
 from genlm_backend.llm.vllm import AsyncVirtualLM
 
@@ -46,7 +47,9 @@ model, row_path, facts_path = sys.argv[1:4]
 read = lambda: {{name: getattr(vllm.envs, name) for name in {ENGINE_VARIABLES!r}}}
 environ = lambda: {{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
 facts = {{"environ_before": environ(), "reads_before": read()}}
+random.seed(123), numpy.random.seed(123), torch.manual_seed(123)
 lm = AsyncVirtualLM.from_name(model)
+facts["draws_after_build"] = [random.random(), float(numpy.random.rand()), float(torch.rand(1))]
 torch.save(lm.next_token_logprobs_sync({PROMPT!r}), row_path)
 engine = lm.llm.llm_engine
 config = engine.vllm_config
@@ -110,6 +113,19 @@ def test_building_the_engine_leaves_the_callers_environment_as_it_was(script_run
     # vLLM caches the variables it reads once an engine has started: the cache holds the
     # caller's values, not the ones the engine was built with.
     assert facts["reads_after"] == facts["reads_before"]
+
+
+def test_building_the_engine_leaves_the_callers_random_generators_as_they_were(script_run):
+    """vLLM seeds Python's, numpy's and torch's global generators as its engine starts (with
+    its ``seed``, 0 by default); the caller's generators continue where they were."""
+    import numpy
+
+    expected = [
+        random.Random(123).random(),
+        float(numpy.random.RandomState(123).rand()),
+        float(torch.rand(1, generator=torch.Generator().manual_seed(123))),
+    ]
+    assert _facts(script_run)["draws_after_build"] == expected
 
 
 @pytest.mark.skipif(ON_GPU, reason="the KV cache is sized on CPU engines only")

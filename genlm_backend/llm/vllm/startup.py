@@ -112,8 +112,32 @@ def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -
     if "use_tqdm_on_load" not in chosen:
         opts["use_tqdm_on_load"] = False  # a progress bar for a load of seconds
     opts.update(quiet_log_defaults(chosen))
-    with _BUILD_LOCK, engine_environment(opts, can_capture), quiet_start(chosen):
+    with _BUILD_LOCK, engine_environment(opts, can_capture), quiet_start(chosen), \
+            kept_random_state():
         return vllm.LLM(model=model_name, **opts)
+
+
+@contextlib.contextmanager
+def kept_random_state() -> Iterator[None]:
+    """The global generators of ``random``, numpy and torch (the CPU's, and CUDA's where the
+    caller had initialised CUDA) continue afterwards where they were before: vLLM seeds them
+    all with its ``seed`` option as its engine starts."""
+    import random
+
+    import numpy
+    import torch
+
+    cuda = torch.cuda.is_initialized()
+    saved = (random.getstate(), numpy.random.get_state(), torch.get_rng_state(),
+             torch.cuda.get_rng_state_all() if cuda else None)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        numpy.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+        if cuda:
+            torch.cuda.set_rng_state_all(saved[3])
 
 
 def cpu_compile_defaults(chosen: dict) -> dict:
