@@ -91,7 +91,7 @@ async def test_vllm(vllm_lm):
     class OnSharedEngine(AsyncVirtualLM):
         """A second front on the shared engine; its cleanup leaves the engine running."""
 
-        def _shutdown(self, llm):
+        def _shutdown(self):
             self._sessions.close_all()
 
     names = await check_every_member_raises(OnSharedEngine(vllm_lm.llm))
