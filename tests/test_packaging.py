@@ -33,13 +33,16 @@ def test_an_editable_install_prints_no_warning(tmp_path):
     shutil.copytree(REPO / "genlm_backend", project / "genlm_backend",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
     # Into a folder of its own, with this environment's setuptools: offline, and this
-    # environment's own installation is left as it is.
+    # environment's own installation is left as it is (without --ignore-installed, pip
+    # uninstalls it first).
+    installed_before = _major("genlm_backend")
     done = subprocess.run(
         [sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "-q", "--no-deps",
-         "--no-build-isolation", "--no-index", "-e", str(project),
+         "--no-build-isolation", "--no-index", "--ignore-installed", "-e", str(project),
          "--prefix", str(tmp_path / "prefix")],
         capture_output=True, text=True, timeout=300, check=False,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "Warning" not in output, output[-4000:]
+    assert _major("genlm_backend") == installed_before
