@@ -30,7 +30,7 @@ from benchmarks.diagnostics._w1 import parse, run_ours, start
 def main() -> None:
     args = parse(sys.argv[1:])
     lm, prompt = start(args)
-    from genlm_backend.llm.vllm.internals.engine import _scheduler
+    from genlm_backend.llm.vllm.internals.engine_core import _scheduler
 
     scheduler = _scheduler(lm.llm.llm_engine)
     if not getattr(scheduler, "_genlm_parked_bypass", False):

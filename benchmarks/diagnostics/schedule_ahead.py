@@ -47,7 +47,7 @@ import torch
 from benchmarks.common import SCRATCH_DIR, summarise
 from benchmarks.diagnostics._w1 import parse
 from benchmarks.models import vocab_size, workload
-from genlm_backend.llm.vllm.internals.engine import _model_runner
+from genlm_backend.llm.vllm.internals.engine_core import _model_runner
 
 
 class Step:

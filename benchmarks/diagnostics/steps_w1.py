@@ -43,8 +43,8 @@ def install() -> None:
     from genlm_backend import _batch_queue, _engine_thread, batching
     from genlm_backend.llm import prompts, vllm
     from genlm_backend.llm.vllm import capture as vllm_capture
-    from genlm_backend.llm.vllm import engine as vllm_engine
-    from genlm_backend.llm.vllm import sessions as vllm_sessions
+    from genlm_backend.llm.vllm import runner as vllm_engine
+    from genlm_backend.llm.vllm import session_pool as vllm_sessions
 
     for owner, names in (
         (_batch_queue.LoopQueue, ("start", "finish")),

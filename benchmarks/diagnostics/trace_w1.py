@@ -64,9 +64,9 @@ def install() -> None:
     from genlm_backend._engine_thread import EngineThread
     from genlm_backend.llm import base, vllm
     from genlm_backend.llm.vllm import capture as vllm_capture
-    from genlm_backend.llm.vllm import engine as vllm_engine
+    from genlm_backend.llm.vllm import runner as vllm_engine
     from genlm_backend.llm.vllm import remote_rows
-    from genlm_backend.llm.vllm import sessions as vllm_sessions
+    from genlm_backend.llm.vllm import session_pool as vllm_sessions
 
     wrap(vllm_capture.LogprobsCaptureProcessor, "apply", "apply", "apply_end")
     wrap(vllm_capture.CaptureSink, "capture", None, "rows_out")

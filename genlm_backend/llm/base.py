@@ -4,7 +4,7 @@ A backend is a thin adapter: it says how big its output vocabulary is (``_vocab_
 and how to evaluate one batch of log-probability requests (``_evaluate_logprobs``). This
 base class owns the rest: input validation, the batcher, the output cache, adapters (LoRA, from
 :mod:`.adapters`), the sync twins, default sampling built on log-probabilities (from
-:mod:`.stepwise`), and the lifecycle.
+:mod:`.default_sampling`), and the lifecycle.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..cache import OutputCache
 from ..exceptions import ClosedError, InvalidRequestError
 from .adapters import Adapters
 from .prompts import LogprobsRequest, PromptChecker
-from .stepwise import StepwiseSampling
+from .default_sampling import StepwiseSampling
 
 __all__ = ["AsyncLM", "LogprobsRequest", "stops_what_it_started"]
 

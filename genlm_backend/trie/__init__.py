@@ -8,7 +8,7 @@
 """
 
 from .async_trie import AsyncTokenCharacterTrie
-from .base import TokenCharacterTrie
+from .character_trie import TokenCharacterTrie
 from .parallel import ParallelTokenCharacterTrie
 
 __all__ = ["AsyncTokenCharacterTrie", "ParallelTokenCharacterTrie", "TokenCharacterTrie"]

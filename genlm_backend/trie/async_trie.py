@@ -11,7 +11,7 @@ import torch
 from ..batching import Batcher, BatcherStats
 from ..exceptions import EngineError, InvalidRequestError, InvalidRequestTypeError
 from ._weights import check_weights
-from .base import TokenCharacterTrie
+from .character_trie import TokenCharacterTrie
 from .parallel import ParallelTokenCharacterTrie
 
 if TYPE_CHECKING:

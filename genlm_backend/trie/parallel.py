@@ -13,7 +13,7 @@ from . import _compiled
 from ._memory import empty_cpu
 from ._plan import flat_plan
 from ._weights import WeightsInfo, check_weights
-from .base import TokenCharacterTrie
+from .character_trie import TokenCharacterTrie
 
 __all__ = ["ParallelTokenCharacterTrie"]
 

@@ -19,7 +19,7 @@ from hf_fixtures import (
 )
 
 from genlm_backend.llm.hf import AsyncTransformer
-from genlm_backend.llm.hf.cache import (
+from genlm_backend.llm.hf.kv_cache import (
     accepts_logits_to_keep,
     cache_argument,
     make_past,

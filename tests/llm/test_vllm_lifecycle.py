@@ -120,7 +120,7 @@ def test_a_failed_from_name_shuts_down_the_engine_it_started(tiny_model_dirs, mo
             started.append(weakref.ref(self))
 
     monkeypatch.setattr(vllm, "LLM", Recorded)
-    threads, registered = _engine_threads(), set(internals.engine._LIVE_ENGINES)
+    threads, registered = _engine_threads(), set(internals.engine_core._LIVE_ENGINES)
     with pytest.raises(TypeError, match="sessions must be"):
         AsyncVirtualLM.from_name(
             str(tiny_model_dirs["base"]), engine_opts={"dtype": "float32", "max_model_len": 128, **GPU_ENGINE_OPTS},
@@ -128,7 +128,7 @@ def test_a_failed_from_name_shuts_down_the_engine_it_started(tiny_model_dirs, mo
         )
     assert len(started) == 1
     assert _engine_threads() == threads
-    assert set(internals.engine._LIVE_ENGINES) == registered  # not counted among the live engines
+    assert set(internals.engine_core._LIVE_ENGINES) == registered  # not counted among the live engines
     gc.collect()
     assert started[0]() is None  # nothing holds the engine: its weights and KV cache are freed
 

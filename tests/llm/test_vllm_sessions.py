@@ -141,7 +141,7 @@ async def test_parked_sessions_stay_out_of_the_schedulers_walk(vlm, hf_reference
     # were.
     from vllm.v1.request import RequestStatus
 
-    from genlm_backend.llm.vllm.internals.engine import _scheduler
+    from genlm_backend.llm.vllm.internals.engine_core import _scheduler
 
     scheduler = _scheduler(vlm.llm.llm_engine)
     assert getattr(scheduler, "_genlm_parked_bypass", False)
@@ -499,7 +499,7 @@ def test_a_held_session_that_cannot_be_parked_stays_closed():
     from types import SimpleNamespace
 
     from genlm_backend.llm.prompts import PromptChecker
-    from genlm_backend.llm.vllm.sessions import PlanEntry, SessionPool
+    from genlm_backend.llm.vllm.session_pool import PlanEntry, SessionPool
 
     aborted = []
     pool = SessionPool(aborted.extend, 4, park=lambda session: pool.close(session),
@@ -521,7 +521,7 @@ def test_a_held_session_that_cannot_be_parked_stays_closed():
 def test_free_parked_closes_the_least_recently_used_parked_sessions_a_batch_does_not_resume():
     from types import SimpleNamespace
 
-    from genlm_backend.llm.vllm.sessions import Session, SessionPool
+    from genlm_backend.llm.vllm.session_pool import Session, SessionPool
 
     aborted = []
     pool = SessionPool(aborted.extend, 8)
@@ -546,7 +546,7 @@ class FakeSteps:
         from types import SimpleNamespace
 
         from genlm_backend.llm.prompts import PromptChecker
-        from genlm_backend.llm.vllm.sessions import PlanEntry, SessionPool
+        from genlm_backend.llm.vllm.session_pool import PlanEntry, SessionPool
 
         self.namespace, self.entry_type = SimpleNamespace, PlanEntry
         self.pool = SessionPool(lambda ids: None, capacity, park=lambda session: None,
@@ -601,7 +601,7 @@ def test_a_closed_session_is_freed_without_the_cycle_collector():
     from types import SimpleNamespace
 
     from genlm_backend.llm.prompts import PromptChecker
-    from genlm_backend.llm.vllm.sessions import Session, SessionPool
+    from genlm_backend.llm.vllm.session_pool import Session, SessionPool
 
     targets = {}
     pool = SessionPool([].extend, 4, park=None, follow=targets.__setitem__, unfollow=targets.pop)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .cache import cache_argument, make_past, read_past, returned_cache
+from .kv_cache import cache_argument, make_past, read_past, returned_cache
 from .kvtrie import KVBlock, KVSource, KVTrie, gather_past
 
 __all__ = ["Step", "make_step", "plan_chunks", "run_chunk", "shared_prefixes"]

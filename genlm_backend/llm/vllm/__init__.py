@@ -1,8 +1,8 @@
 """The vLLM backend, :class:`AsyncVirtualLM`.
 
-:mod:`.backend` is the class (with :mod:`.logprobs`, :mod:`.lora` and :mod:`.sampling`, its
-mixins); :mod:`.engine` steps the engine on the engine thread; :mod:`.capture` and
-:mod:`.forcing` run inside the engine step; :mod:`.sessions` keeps requests alive as engine
+:mod:`.virtual_lm` is the class (with :mod:`.logprobs`, :mod:`.lora_requests` and :mod:`.engine_sampling`, its
+mixins); :mod:`.runner` steps the engine on the engine thread; :mod:`.capture` and
+:mod:`.forcing` run inside the engine step; :mod:`.session_pool` keeps requests alive as engine
 sessions; :mod:`.startup` builds the engine; :mod:`genlm_backend.llm.row_ring` carries rows from worker
 processes. :mod:`.internals` is the seam: the one package that touches vLLM's private parts.
 Importing this package imports no part of vllm (which is imported when an engine is built
@@ -11,7 +11,7 @@ or wrapped), and works without vllm installed (the class can then be named, not 
 
 from __future__ import annotations
 
-from .backend import DEFAULT_ENGINE_OPTS, AsyncVirtualLM
+from .virtual_lm import DEFAULT_ENGINE_OPTS, AsyncVirtualLM
 from .logprobs import listing_refusal
 
 __all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS", "listing_refusal"]

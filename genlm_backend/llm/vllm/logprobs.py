@@ -13,8 +13,8 @@ import torch
 
 from ..prompts import LogprobsRequest
 from . import internals
-from .engine import EngineJob, RowBatch
-from .sessions import PlanEntry, Session, SessionPool
+from .runner import EngineJob, RowBatch
+from .session_pool import PlanEntry, Session, SessionPool
 
 __all__ = ["Continued", "LogprobsMixin", "listing_refusal"]
 
@@ -27,7 +27,7 @@ class LogprobsMixin:
         """On the engine thread: matches ``requests`` to sessions, then runs them next.
 
         Requests that continue held sessions get no job: their rows come from the sessions'
-        next step (see :mod:`.sessions`)."""
+        next step (see :mod:`.session_pool`)."""
         try:
             requests = self._with_adapters(requests, batch)
             plan = self._sessions.plan(requests, batch)

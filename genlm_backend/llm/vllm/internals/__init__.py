@@ -6,12 +6,12 @@ pass on both and fail loudly when any of it moves. (The capture processor, which
 logits-processor interface, is :mod:`genlm_backend.llm.vllm.capture`.) Callers use the names
 below as ``internals.X``; the modules split them by concern:
 
-* :mod:`.engine`: where the model runner and scheduler are, plain requests, aborts, stalls,
+* :mod:`.engine_core`: where the model runner and scheduler are, plain requests, aborts, stalls,
   engine-start preferences, shutdown;
-* :mod:`.sessions`: streaming-input sessions, parking, forced sampling, the CPU generator rewind;
+* :mod:`.held_requests`: streaming-input sessions, parking, forced sampling, the CPU generator rewind;
 * :mod:`.steady`: steady held steps, which skip vLLM's general scheduling and outputs;
 * :mod:`.remote`: rows from engine workers in other processes;
-* :mod:`.lora`: LoRA refusals and the CPU base-row fix;
+* :mod:`.lora_rows`: LoRA refusals and the CPU base-row fix;
 * :mod:`.listed`: rows listed by vLLM (speculative decoding).
 
 What is relied on:
@@ -102,7 +102,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import (
+    from .engine_core import (
         CHECKED_VERSIONS,
         NO_DEEP_COPY,
         abort_requests,
@@ -119,9 +119,9 @@ if TYPE_CHECKING:
         shutdown,
     )
     from .listed import install_listed_rows
-    from .lora import install_lora_base_rows, lora_refusal
+    from .lora_rows import install_lora_base_rows, lora_refusal
     from .remote import RemoteCapture, install_remote_capture
-    from .sessions import (
+    from .held_requests import (
         add_session_chunk,
         discard_mask_reader,
         install_chunk_max_tokens,
@@ -141,18 +141,18 @@ _MODULE_OF = {
         ("CHECKED_VERSIONS", "NO_DEEP_COPY", "abort_requests", "add_request", "envs_cache_enabled",
          "free_slots", "is_cuda_oom", "is_stalled", "model_module", "output_done",
          "prefer_spawned_workers", "prefer_v1_model_runner", "register_engine", "shutdown"),
-        ".engine",
+        ".engine_core",
     ),
     "install_listed_rows": ".listed",
-    "install_lora_base_rows": ".lora",
-    "lora_refusal": ".lora",
+    "install_lora_base_rows": ".lora_rows",
+    "lora_refusal": ".lora_rows",
     "RemoteCapture": ".remote",
     "install_remote_capture": ".remote",
     **dict.fromkeys(
         ("add_session_chunk", "discard_mask_reader", "install_chunk_max_tokens",
          "install_cpu_generator_rewind", "install_forced_sampling", "install_parked_bypass",
          "open_session", "park", "supports_sessions"),
-        ".sessions",
+        ".held_requests",
     ),
     "install_steady_steps": ".steady",
 }

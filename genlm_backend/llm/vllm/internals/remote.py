@@ -22,8 +22,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .engine import _model_runner, _scheduler
-from .sessions import _install_forced, _install_generator_rewind, _mask_reader
+from .engine_core import _model_runner, _scheduler
+from .held_requests import _install_forced, _install_generator_rewind, _mask_reader
 
 __all__ = ["RING_BYTES", "EarlyRows", "Forced", "RemoteCapture", "install_remote_capture"]
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from vllm.sampling_params import RequestOutputKind
 
-from .engine import _scheduler
+from .engine_core import _scheduler
 
 __all__ = ["install_steady_steps"]
 

@@ -10,7 +10,7 @@ from ...exceptions import InvalidRequestError
 from ..prompts import LogprobsRequest
 
 if TYPE_CHECKING:
-    from .engine import RowBatch
+    from .runner import RowBatch
 
 __all__ = ["LoRAMixin"]
 

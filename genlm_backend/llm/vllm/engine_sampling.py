@@ -9,7 +9,7 @@ from typing import Any
 
 from ...exceptions import InvalidRequestError, InvalidRequestTypeError
 from ..validation import check_max_tokens, check_seed, check_temperature
-from .engine import EngineJob
+from .runner import EngineJob
 
 __all__ = [
     "SAMPLING_OPTIONS",

@@ -20,10 +20,10 @@ import torch
 
 from ...exceptions import EngineError, InvalidRequestError
 from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
-from .cache import accepts_logits_to_keep
+from .kv_cache import accepts_logits_to_keep
 from .forward import Step, make_step, plan_chunks, run_chunk, shared_prefixes
 from .kvtrie import KVTrie
-from .lora import AdapterMixin
+from .peft_adapters import AdapterMixin
 
 __all__ = ["AsyncTransformer"]
 

@@ -1,7 +1,7 @@
 """`AsyncVirtualLM`: the vLLM backend — exact full-vocabulary log-probabilities and sampling.
 
 How a log-probability row is made: every distinct prompt of a batch becomes one engine
-request (or a chunk of a live session, :mod:`.sessions`) whose
+request (or a chunk of a live session, :mod:`.session_pool`) whose
 ``SamplingParams.extra_args`` carry a capture tag. A logits processor installed in the engine
 (:mod:`.capture`) maps batch rows to tags from vLLM's batch updates and hands the fp32
 log-softmax of each request's final row to its caller inside the engine step that computed
@@ -34,11 +34,11 @@ from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
 from ..validation import one_or_many_prompts
 from . import internals, startup
 from .closing import ClosingMixin
-from .engine import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
+from .runner import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
 from .logprobs import LogprobsMixin
-from .lora import LoRAMixin
-from .sampling import SamplingMixin
-from .sessions import SessionPool
+from .lora_requests import LoRAMixin
+from .engine_sampling import SamplingMixin
+from .session_pool import SessionPool
 
 __all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
 
@@ -114,7 +114,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
             ``generate`` waits for every live request).
         session_idle_batches: a session not extended for this many batches is closed.
         session_hold_s: how long the engine keeps the step that produced sessions' rows
-            open for the next batch to continue them (see :mod:`.sessions`); any
+            open for the next batch to continue them (see :mod:`.session_pool`); any
             other engine work ends the wait at once.
 
     Attributes:

@@ -58,7 +58,7 @@ def make_past(layers: list[KV] | None) -> Any:
         return DynamicCache.from_legacy_cache(tuple(layers))
     raise RuntimeError(  # pragma: no cover - a transformers layout this module does not know
         "genlm_backend cannot build a transformers DynamicCache in this version of transformers; "
-        "update genlm_backend/llm/hf/cache.py"
+        "update genlm_backend/llm/hf/kv_cache.py"
     )
 
 
@@ -80,7 +80,7 @@ def read_past(cache: Any) -> list[KV]:
     if isinstance(cache, (tuple, list)):  # legacy tuples
         return [(k, v) for k, v, *_ in cache]
     raise RuntimeError(  # pragma: no cover
-        f"genlm_backend cannot read a {type(cache).__name__}; update genlm_backend/llm/hf/cache.py"
+        f"genlm_backend cannot read a {type(cache).__name__}; update genlm_backend/llm/hf/kv_cache.py"
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .engine import CHECKED_VERSIONS, _model_runner
+from .engine_core import CHECKED_VERSIONS, _model_runner
 
 __all__ = ["install_lora_base_rows", "lora_refusal"]
 

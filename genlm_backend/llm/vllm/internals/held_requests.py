@@ -14,7 +14,7 @@ import torch
 from vllm import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
-from .engine import _model_runner, _scheduler
+from .engine_core import _model_runner, _scheduler
 
 __all__ = [
     "add_session_chunk",
