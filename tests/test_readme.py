@@ -290,7 +290,7 @@ def find_circle(edges: dict[str, set[str]]) -> list[str] | None:
         done.add(name)
         return None
 
-    return next((c for c in map(lambda n: visit(n, []), sorted(edges)) if c), None)
+    return next((c for c in (visit(n, []) for n in sorted(edges)) if c), None)
 
 
 def test_the_package_has_no_import_circles_counting_imports_inside_functions():
