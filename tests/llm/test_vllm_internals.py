@@ -372,6 +372,7 @@ def _forcing_step(num_rows, forced_rows, call_sample=True, logprobs=None):
 
     from genlm_backend.llm.vllm.capture import CaptureSink, LogprobsCaptureProcessor
     from genlm_backend.llm.vllm.forcing import ForcedSampling
+    from genlm_backend.llm.vllm.internals import plain_greedy
 
     sink = CaptureSink()
     sink.discarded = lambda n: np.zeros(n, dtype=bool)
@@ -382,7 +383,7 @@ def _forcing_step(num_rows, forced_rows, call_sample=True, logprobs=None):
     proc.update_state(BatchUpdate(num_rows, removed=[], added=added, moved=[]))
     sampler, forcing = _SamplerShape(proc, call_sample), ForcedSampling()
     sampler.forward = forcing.wrap_forward(sampler.forward)
-    sampler.sample = forcing.wrap_sample(sampler.sample)
+    sampler.sample = forcing.wrap_sample(sampler.sample, plain_greedy)
     to_list = forcing.wrap_to_list(sampler.to_list)
     metadata = dataclasses.make_dataclass("Metadata", ["all_greedy", "max_num_logprobs"])(True, logprobs)
     logits = torch.randn(num_rows, 10)
@@ -413,6 +414,7 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
     # vLLM 0.26's scheduler applies a chunk to a parked session without its max_tokens; the
     # wrapper adds it. A scheduler of that shape, then the engine's own.
     from genlm_backend.llm.vllm import internals
+    from genlm_backend.llm.vllm.internals.installed import installed_on
 
     class Scheduler026:
         def _update_request_as_session(self, session, update):
@@ -427,7 +429,7 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
     scheduler._update_request_as_session(session, types.SimpleNamespace(prompt_token_ids=[4], max_tokens=500))
     assert session.prompt_token_ids == [1, 2, 4] and session.max_tokens == 500
     engine_scheduler = vlm.llm.llm_engine.engine_core.engine_core.scheduler
-    assert engine_scheduler._genlm_chunk_max_tokens is True
+    assert installed_on(engine_scheduler)["chunk_max_tokens"] is True
     params = inspect.signature(type(engine_scheduler)._update_request_as_session).parameters
     assert list(params)[1:] == ["session", "update"]
 
@@ -442,7 +444,9 @@ def test_parked_sessions_wait_where_the_bypass_takes_them_from(vlm):
     from vllm.v1.request import RequestStatus
 
     scheduler = vlm.llm.llm_engine.engine_core.engine_core.scheduler
-    assert scheduler._genlm_parked_bypass is True
+    from genlm_backend.llm.vllm.internals.installed import installed_on
+
+    assert installed_on(scheduler)["parked_bypass"] is True
     vlm.close_sessions()
     asyncio.run(vlm.next_token_logprobs([3, 5, 7, 11]))
     vlm._engine_thread.submit(lambda: None).result()  # other engine work: the session parks
@@ -487,13 +491,15 @@ def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from genlm_backend.llm.vllm.internals.installed import installed_on
+
     forward = inspect.getsource(Sampler.forward)
     assert forward.index("apply_logits_processors(") < forward.index("self.sample(")
     assert list(inspect.signature(Sampler.sample).parameters)[1:3] == ["logits", "sampling_metadata"]
     assert "self._to_list(sampled_token_ids)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
     engine = vlm.llm.llm_engine
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    assert vlm._forcing is not None and runner._genlm_forced_sampling is vlm._forcing
+    assert vlm._forcing is not None and installed_on(runner)["forced_sampling"] is vlm._forcing
     from genlm_backend.llm.vllm import internals
 
     assert internals.install_forced_sampling(engine, object()) is vlm._forcing  # once per runner

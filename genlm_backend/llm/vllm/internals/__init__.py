@@ -107,20 +107,20 @@ if TYPE_CHECKING:
         NO_DEEP_COPY,
         abort_requests,
         add_request,
+        cpu_aot_reload_fails,
         envs_cache_enabled,
         free_slots,
         is_cuda_oom,
         is_stalled,
         model_module,
+        off_envs_cache,
         output_done,
         prefer_spawned_workers,
         prefer_v1_model_runner,
+        refill_envs_cache,
         register_engine,
         shutdown,
     )
-    from .listed import install_listed_rows
-    from .lora_rows import install_lora_base_rows, lora_refusal
-    from .remote import RemoteCapture, install_remote_capture
     from .held_requests import (
         add_session_chunk,
         discard_mask_reader,
@@ -130,17 +130,22 @@ if TYPE_CHECKING:
         install_parked_bypass,
         open_session,
         park,
+        plain_greedy,
         supports_sessions,
     )
+    from .listed import install_listed_rows
+    from .lora_rows import install_lora_base_rows, lora_refusal
+    from .remote import RemoteCapture, install_remote_capture
     from .steady import install_steady_steps
 
 # Where each name lives. The modules import vllm: they are imported when a name is first
 # used, so that naming AsyncVirtualLM imports no part of vllm.
 _MODULE_OF = {
     **dict.fromkeys(
-        ("CHECKED_VERSIONS", "NO_DEEP_COPY", "abort_requests", "add_request", "envs_cache_enabled",
-         "free_slots", "is_cuda_oom", "is_stalled", "model_module", "output_done",
-         "prefer_spawned_workers", "prefer_v1_model_runner", "register_engine", "shutdown"),
+        ("CHECKED_VERSIONS", "NO_DEEP_COPY", "abort_requests", "add_request",
+         "cpu_aot_reload_fails", "envs_cache_enabled", "free_slots", "is_cuda_oom", "is_stalled",
+         "model_module", "off_envs_cache", "output_done", "prefer_spawned_workers",
+         "prefer_v1_model_runner", "refill_envs_cache", "register_engine", "shutdown"),
         ".engine_core",
     ),
     "install_listed_rows": ".listed",
@@ -151,7 +156,7 @@ _MODULE_OF = {
     **dict.fromkeys(
         ("add_session_chunk", "discard_mask_reader", "install_chunk_max_tokens",
          "install_cpu_generator_rewind", "install_forced_sampling", "install_parked_bypass",
-         "open_session", "park", "supports_sessions"),
+         "open_session", "park", "plain_greedy", "supports_sessions"),
         ".held_requests",
     ),
     "install_steady_steps": ".steady",
