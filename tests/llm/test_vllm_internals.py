@@ -133,7 +133,8 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     from genlm_backend.llm.vllm import capture as vllm_capture
-    from genlm_backend.llm.vllm import internals, remote_rows
+    from genlm_backend.llm.vllm import remote_rows
+    from genlm_backend.llm.vllm.internals import remote as seam
 
     sink = vllm_capture.CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
@@ -155,28 +156,28 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
         vllm_capture._SINKS[sink.token] = sink
     assert torch.equal(out, logits)
     output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
-    sent = internals.remote._carrying(output, remote.take())
-    assert sent is not output and not hasattr(output, internals.remote._ROWS_ATTR)
+    sent = seam._carrying(output, remote.take())
+    assert sent is not output and not hasattr(output, seam._ROWS_ATTR)
     assert remote.take() is None  # handed over once
     received = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
-    remote_rows.deliver_remote(getattr(received, internals.remote._ROWS_ATTR))
+    remote_rows.deliver_remote(getattr(received, seam._ROWS_ATTR))
     expected = torch.log_softmax(logits, -1)
     assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[2])
     with pytest.raises(RuntimeError):
         sink.take(tags[2])
-    shared = internals.remote._carrying(EMPTY_MODEL_RUNNER_OUTPUT, [])
-    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, internals.remote._ROWS_ATTR)
+    shared = seam._carrying(EMPTY_MODEL_RUNNER_OUTPUT, [])
+    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, seam._ROWS_ATTR)
 
 
 def test_an_async_output_carries_the_rows_once_it_is_made():
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from genlm_backend.llm.vllm import internals
+    from genlm_backend.llm.vllm.internals import remote as seam
 
     made = ModelRunnerOutput(req_ids=[], req_id_to_index={})
     pending = types.SimpleNamespace(get_output=lambda: made)
-    assert internals.remote._carrying(pending, ["rows"]) is pending
-    assert getattr(pending.get_output(), internals.remote._ROWS_ATTR) == ["rows"]
+    assert seam._carrying(pending, ["rows"]) is pending
+    assert getattr(pending.get_output(), seam._ROWS_ATTR) == ["rows"]
 
 
 def test_the_worker_calls_remote_capture_relies_on_are_where_it_expects():
@@ -650,16 +651,20 @@ def test_step_hooks_see_each_output_before_the_scheduler_does():
     a scheduler; each hook sees the step output before the scheduler handles it."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from genlm_backend.llm.vllm import internals
+    from genlm_backend.llm.vllm.internals import remote
 
     assert list(inspect.signature(Scheduler.update_from_output).parameters)[1:3] == [
         "scheduler_output", "model_runner_output"]
     seen, calls = [], []
-    scheduler = types.SimpleNamespace(update_from_output=lambda so, out: calls.append(out) or seen.append("update")
-                                      or "done")
-    internals.remote._before_update(scheduler, lambda so, out: seen.append(("first", out)))
+
+    class FakeScheduler:  # (weakly referable, as vLLM's)
+        def update_from_output(self, so, out):
+            return calls.append(out) or seen.append("update") or "done"
+
+    scheduler = FakeScheduler()
+    remote._before_update(scheduler, lambda so, out: seen.append(("first", out)))
     wrapper = scheduler.update_from_output
-    internals.remote._before_update(scheduler, lambda so, out: seen.append(("second", out)))
+    remote._before_update(scheduler, lambda so, out: seen.append(("second", out)))
     assert scheduler.update_from_output is wrapper  # one wrapper, however many hooks
     assert scheduler.update_from_output(None, "out") == "done" and calls == ["out"]
     assert seen == [("first", "out"), ("second", "out"), "update"]

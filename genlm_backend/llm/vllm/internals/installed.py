@@ -14,7 +14,8 @@ _INSTALLED: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
 def installed_on(obj: Any) -> dict[str, Any]:
     """What was installed on ``obj`` (a vLLM object), by name: empty at first, forgotten
     when ``obj`` is. A value must not refer to ``obj`` (it would keep ``obj`` alive): a
-    value that does is kept as a weak reference to it."""
+    value that does is kept as a weak reference to it. ``obj`` must take weak references
+    (vLLM's schedulers, model runners, workers and LoRA wrappers do)."""
     key = id(obj)
     entry = _INSTALLED.get(key)
     if entry is None or entry[0]() is not obj:
