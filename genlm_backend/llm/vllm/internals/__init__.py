@@ -109,7 +109,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine_core import (
+    from .engine_core import (  # noqa: F401
         CHECKED_VERSIONS,
         NO_DEEP_COPY,
         abort_requests,
@@ -128,7 +128,7 @@ if TYPE_CHECKING:
         register_engine,
         shutdown,
     )
-    from .held_requests import (
+    from .held_requests import (  # noqa: F401
         add_session_chunk,
         discard_mask_reader,
         install_chunk_max_tokens,
@@ -140,10 +140,10 @@ if TYPE_CHECKING:
         plain_greedy,
         supports_sessions,
     )
-    from .listed import install_listed_rows
-    from .lora_rows import install_lora_base_rows, lora_refusal
-    from .remote import RemoteCapture, install_remote_capture
-    from .steady import install_steady_steps
+    from .listed import install_listed_rows  # noqa: F401
+    from .lora_rows import install_lora_base_rows, lora_refusal  # noqa: F401
+    from .remote import RemoteCapture, install_remote_capture  # noqa: F401
+    from .steady import install_steady_steps  # noqa: F401
 
 # Where each name lives. The modules import vllm: they are imported when a name is first
 # used, so that naming AsyncVirtualLM imports no part of vllm.
