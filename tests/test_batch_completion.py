@@ -20,8 +20,8 @@ import threading
 import pytest
 
 import genlm_backend
-from genlm_backend._engine_thread import EngineThread
 from genlm_backend.batching import INLINE, Batcher
+from genlm_backend.engine_thread import EngineThread
 from genlm_backend.exceptions import ClosedError, EngineError
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from genlm_backend._engine_thread import EngineThread, TurnLock
+from genlm_backend.engine_thread import EngineThread, TurnLock
 
 
 @pytest.fixture

@@ -17,9 +17,10 @@ Blocks without a comment must run and exit 0. A block that uses the default mode
 loads whichever backend ``load_model_by_name`` picks, so in the lane without vLLM
 (``scripts/run_tests_novllm.sh``) the same blocks run on transformers.
 
-Also checked here: what docs/design.md says of the package's imports (no import circles;
-vLLM imported only by the ``llm/vllm*`` modules, which the rest reaches on first use;
-``import genlm_backend`` imports neither torch nor vllm).
+Also checked here: what docs/design.md says of the package's imports (no import circles,
+counting imports inside functions and lazy tables; no private name of another package
+imported; vLLM imported only by the ``llm/vllm*`` modules, which the rest reaches on first
+use; ``import genlm_backend`` imports neither torch nor vllm).
 """
 
 from __future__ import annotations
@@ -169,6 +170,10 @@ def test_code_block_runs_as_written(block: Block, tmp_path: Path):
 
 
 # ---- the package's imports, as docs/design.md describes them ------------------------------
+# Every import counts, wherever it is: at module level, inside functions, and the modules
+# named in a lazy table for ``importlib.import_module``. Not counted: imports under
+# ``if TYPE_CHECKING:`` (they never run) and a module's parent packages (Python imports them
+# first, whatever the module imports).
 
 PACKAGE = REPO / "genlm_backend"
 
@@ -178,72 +183,145 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING"
-
-
-def imports_of(path: Path, *, import_time_only: bool) -> set[str]:
-    """The absolute names of the modules ``path`` imports: at import time only (module
-    level, in ``if``/``try`` blocks, not under ``TYPE_CHECKING``), or anywhere."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    nodes: list[ast.AST] = []
-
-    def collect(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                nodes.append(node)
-            elif isinstance(node, ast.If) and not _is_type_checking(node):
-                collect(node.body)
-                collect(node.orelse)
-            elif isinstance(node, ast.Try):
-                for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
-                    collect(block)
-
-    if import_time_only:
-        collect(tree.body)
-    else:
-        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
-    found = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif node.level:  # relative: "from . import x" names submodules, "from .m import x" a module
-            base = package.split(".")[: len(package.split(".")) - node.level + 1]
-            if node.module:
-                found.add(".".join([*base, node.module]))
-            else:
-                found.update(".".join([*base, alias.name]) for alias in node.names)
-        else:
-            found.add(node.module)
-    return found
-
-
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def import_time_graph() -> dict[str, set[str]]:
-    return {name: {m for m in imports_of(path, import_time_only=True) if m in MODULES and m != name}
-            for name, path in MODULES.items()}
+def package_of(name: str) -> str:
+    """The package (folder) a module is in: itself for a package's ``__init__``."""
+    return name if MODULES[name].name == "__init__.py" else name.rsplit(".", 1)[0]
 
 
-def test_the_package_has_no_import_circles():
-    graph = import_time_graph()
+def is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in (getattr(test, "id", None),
+                                                            getattr(test, "attr", None))
+
+
+def statements(tree: ast.AST) -> list[tuple[ast.AST, bool]]:
+    """Every import statement of ``tree`` and whether it runs at import time (module level,
+    in ``if``/``try`` blocks), leaving out ``if TYPE_CHECKING:`` blocks."""
+    found = []
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+    def walk(nodes: list[ast.AST], at_import: bool) -> None:
+        for node in nodes:
+            if is_type_checking(node):
+                walk(node.orelse, at_import)
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append((node, at_import))
+            walk(list(ast.iter_child_nodes(node)), at_import and not isinstance(node, functions))
+
+    walk(list(ast.iter_child_nodes(tree)), True)
+    return found
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the module imported from (absolute)
+    names: tuple[str, ...]  # the names taken from it ("from m import a, b"), or ()
+    at_import: bool  # runs when the importing module is imported
+
+
+def resolve(name: str, level: int, module: str | None) -> str:
+    if not level:
+        return module or ""
+    base = package_of(name).split(".")
+    base = base[: len(base) - level + 1]
+    return ".".join([*base, module] if module else base)
+
+
+def is_submodule(package: str, name: str) -> bool:
+    """``package.name`` is a module of ours: Python source, or built (the trie's kernel)."""
+    path = MODULES.get(package)
+    return path is not None and path.name == "__init__.py" and any(
+        p.stem.split(".")[0] == name for p in path.parent.iterdir())
+
+
+def imports_of(name: str) -> list[Import]:
+    """What module ``name`` imports. ``from p import m`` where ``p.m`` is a module counts as
+    importing ``p.m``; ``importlib.import_module`` calls count with every string of the
+    module that names one of ours (``".engine_core"`` in a lazy table, ``"genlm_backend.x"``),
+    but not its own parent packages (imported before it anyway)."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    found = []
+    for node, at_import in statements(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(alias.name, (), at_import) for alias in node.names]
+            continue
+        source = resolve(name, node.level, node.module)
+        names = tuple(alias.name for alias in node.names)
+        submodules = [n for n in names if is_submodule(source, n)]
+        found += [Import(f"{source}.{n}", (), at_import) for n in submodules]
+        if len(submodules) < len(names):
+            found.append(Import(source, tuple(n for n in names if n not in submodules), at_import))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and ast.unparse(n.func) in ("importlib.import_module", "import_module", "__import__")]
+    if calls:
+        strings = {n.value for n in ast.walk(tree)
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        named = {resolve(name, len(s) - len(s.lstrip(".")), s.lstrip(".") or None)
+                 if s.startswith(".") else s for s in strings
+                 if re.fullmatch(r"\.*[A-Za-z_][\w.]*", s)}
+        parents = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)}
+        lazy = sorted(m for m in named if m in MODULES and m != name and m not in parents)
+        found += [Import(m, (), False) for m in lazy]
+    return found
+
+
+def graph(*, import_time_only: bool = False) -> dict[str, set[str]]:
+    return {name: {i.module for i in imports_of(name) if i.module in MODULES and i.module != name
+                   and (i.at_import or not import_time_only)}
+            for name in MODULES}
+
+
+def find_circle(edges: dict[str, set[str]]) -> list[str] | None:
     done: set[str] = set()
 
-    def visit(name: str, path: list[str]) -> None:
+    def visit(name: str, path: list[str]) -> list[str] | None:
         if name in path:
-            raise AssertionError("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+            return path[path.index(name):] + [name]
         if name in done:
-            return
-        for other in sorted(graph[name]):
-            visit(other, path + [name])
+            return None
+        for other in sorted(edges[name]):
+            circle = visit(other, path + [name])
+            if circle:
+                return circle
         done.add(name)
+        return None
 
-    for name in graph:
-        visit(name, [])
+    return next((c for c in (visit(n, []) for n in sorted(edges)) if c), None)
+
+
+def test_the_package_has_no_import_circles_counting_imports_inside_functions():
+    circle = find_circle(graph())
+    assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
+def test_the_circle_check_sees_imports_inside_functions_and_lazy_tables():
+    edges = graph()
+    internals = "genlm_backend.llm.vllm.internals"
+    assert f"{internals}.remote" in edges[internals]  # its lazy table
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    startup = imports_of("genlm_backend.llm.vllm.startup")
+    assert any(i.module == "transformers" and not i.at_import for i in startup)  # in a function
+
+
+def private_parts(imported: Import) -> list[str]:
+    parts = [p for p in imported.module.split(".") if p.startswith("_")]
+    return parts + [n for n in imported.names if n.startswith("_")]
+
+
+def test_no_module_imports_a_private_name_of_another_package():
+    """A name or module starting with ``_`` is private to its package (folder): a top-level
+    ``genlm_backend/_x.py`` is private to ``genlm_backend/``, not to ``llm/`` below it."""
+    for name in MODULES:
+        for imported in imports_of(name):
+            if not imported.module.startswith("genlm_backend"):
+                continue
+            source = imported.module
+            if source in MODULES and package_of(source) != package_of(name):
+                assert not private_parts(imported), f"{name} imports {imported}"
 
 
 def is_vllm_module(name: str) -> bool:
@@ -251,13 +329,13 @@ def is_vllm_module(name: str) -> bool:
 
 
 def test_only_the_vllm_modules_import_vllm_and_the_rest_reach_them_on_first_use():
-    for name, path in MODULES.items():
-        imported = imports_of(path, import_time_only=False)
+    for name in MODULES:
+        imported = {i.module for i in imports_of(name)}
         if any(m == "vllm" or m.startswith("vllm.") for m in imported):
-            assert name.startswith("genlm_backend.llm.vllm"), f"{name} imports vllm"
-    for name, imported in import_time_graph().items():
+            assert is_vllm_module(name), f"{name} imports vllm"
+    for name, imported in graph(import_time_only=True).items():
         if not is_vllm_module(name):
-            assert not any(is_vllm_module(m) for m in imported), f"{name} imports {sorted(imported)} at import time"
+            assert not any(map(is_vllm_module, imported)), f"{name} imports {sorted(imported)}"
 
 
 def test_importing_the_package_imports_neither_torch_nor_vllm():

@@ -60,8 +60,11 @@ class Change:
         lm, default = self.lm, mode == self.modes[0]
         if self.name == "steady":
             steady, scheduler = lm._steady, lm._steady.scheduler
-            scheduler.schedule = steady.schedule if default else steady.general_schedule
-            scheduler.update_from_output = steady.update_from_output if default else steady.general_update
+            # "off": the scheduler's calls as they were before steady steps wrapped them
+            # (monkeypatched here: nothing in the package switches them back)
+            scheduler.schedule = steady.schedule if default else steady._general_schedule
+            scheduler.update_from_output = (steady.update_from_output if default
+                                            else steady._general_update)
         elif self.name == "call":
             AsyncLM.next_token_logprobs = AS_IS if default else as_future
         else:

@@ -31,9 +31,10 @@ def main() -> None:
     args = parse(sys.argv[1:])
     lm, prompt = start(args)
     from genlm_backend.llm.vllm.internals.engine_core import _scheduler
+    from genlm_backend.llm.vllm.internals.installed import installed_on
 
     scheduler = _scheduler(lm.llm.llm_engine)
-    if not getattr(scheduler, "_genlm_parked_bypass", False):
+    if not installed_on(scheduler).get("parked_bypass"):
         raise SystemExit("this engine's scheduler has no parked-session bypass")
     calls: list[tuple[float, int]] = []  # per schedule(): (us, parked sessions)
 

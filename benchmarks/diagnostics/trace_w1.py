@@ -61,7 +61,7 @@ def wrap(owner: object, name: str, before: str | None, after: str | None) -> Non
 
 def install() -> None:
     from genlm_backend import _batch_queue
-    from genlm_backend._engine_thread import EngineThread
+    from genlm_backend.engine_thread import EngineThread
     from genlm_backend.llm import base, vllm
     from genlm_backend.llm.vllm import capture as vllm_capture
     from genlm_backend.llm.vllm import runner as vllm_engine

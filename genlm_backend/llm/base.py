@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from .._engine_thread import EngineThread
-from .._sync import run_sync
 from ..batching import INLINE, Batcher
 from ..cache import OutputCache
+from ..engine_thread import EngineThread
 from ..exceptions import ClosedError, InvalidRequestError
+from ..sync_calls import run_sync
 from .adapters import Adapters
-from .prompts import LogprobsRequest, PromptChecker
 from .default_sampling import StepwiseSampling
+from .prompts import LogprobsRequest, PromptChecker
 
 __all__ = ["AsyncLM", "LogprobsRequest", "stops_what_it_started"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._engine_thread import EngineThread
+from ..engine_thread import EngineThread
 from .validation import check_eos_token_ids, check_max_tokens, check_seed, check_temperature
 
 __all__ = ["StepwiseSampling"]

@@ -242,7 +242,7 @@ async def test_bad_sampling_arguments(lm, kwargs, error):
 
 
 def test_a_sync_twin_inside_the_sync_loop_raises_instead_of_deadlocking(lm):
-    from genlm_backend._sync import run_sync
+    from genlm_backend.sync_calls import run_sync
 
     async def nested():
         return lm.next_token_logprobs_sync([1])  # would wait on the loop it runs on

@@ -133,7 +133,8 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     from genlm_backend.llm.vllm import capture as vllm_capture
-    from genlm_backend.llm.vllm import internals, remote_rows
+    from genlm_backend.llm.vllm import remote_rows
+    from genlm_backend.llm.vllm.internals import remote as seam
 
     sink = vllm_capture.CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
@@ -155,28 +156,28 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
         vllm_capture._SINKS[sink.token] = sink
     assert torch.equal(out, logits)
     output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
-    sent = internals.remote._carrying(output, remote.take())
-    assert sent is not output and not hasattr(output, internals.remote._ROWS_ATTR)
+    sent = seam._carrying(output, remote.take())
+    assert sent is not output and not hasattr(output, seam._ROWS_ATTR)
     assert remote.take() is None  # handed over once
     received = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
-    remote_rows.deliver_remote(getattr(received, internals.remote._ROWS_ATTR))
+    remote_rows.deliver_remote(getattr(received, seam._ROWS_ATTR))
     expected = torch.log_softmax(logits, -1)
     assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[2])
     with pytest.raises(RuntimeError):
         sink.take(tags[2])
-    shared = internals.remote._carrying(EMPTY_MODEL_RUNNER_OUTPUT, [])
-    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, internals.remote._ROWS_ATTR)
+    shared = seam._carrying(EMPTY_MODEL_RUNNER_OUTPUT, [])
+    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, seam._ROWS_ATTR)
 
 
 def test_an_async_output_carries_the_rows_once_it_is_made():
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from genlm_backend.llm.vllm import internals
+    from genlm_backend.llm.vllm.internals import remote as seam
 
     made = ModelRunnerOutput(req_ids=[], req_id_to_index={})
     pending = types.SimpleNamespace(get_output=lambda: made)
-    assert internals.remote._carrying(pending, ["rows"]) is pending
-    assert getattr(pending.get_output(), internals.remote._ROWS_ATTR) == ["rows"]
+    assert seam._carrying(pending, ["rows"]) is pending
+    assert getattr(pending.get_output(), seam._ROWS_ATTR) == ["rows"]
 
 
 def test_the_worker_calls_remote_capture_relies_on_are_where_it_expects():
@@ -372,6 +373,7 @@ def _forcing_step(num_rows, forced_rows, call_sample=True, logprobs=None):
 
     from genlm_backend.llm.vllm.capture import CaptureSink, LogprobsCaptureProcessor
     from genlm_backend.llm.vllm.forcing import ForcedSampling
+    from genlm_backend.llm.vllm.internals import plain_greedy
 
     sink = CaptureSink()
     sink.discarded = lambda n: np.zeros(n, dtype=bool)
@@ -382,7 +384,7 @@ def _forcing_step(num_rows, forced_rows, call_sample=True, logprobs=None):
     proc.update_state(BatchUpdate(num_rows, removed=[], added=added, moved=[]))
     sampler, forcing = _SamplerShape(proc, call_sample), ForcedSampling()
     sampler.forward = forcing.wrap_forward(sampler.forward)
-    sampler.sample = forcing.wrap_sample(sampler.sample)
+    sampler.sample = forcing.wrap_sample(sampler.sample, plain_greedy)
     to_list = forcing.wrap_to_list(sampler.to_list)
     metadata = dataclasses.make_dataclass("Metadata", ["all_greedy", "max_num_logprobs"])(True, logprobs)
     logits = torch.randn(num_rows, 10)
@@ -413,6 +415,7 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
     # vLLM 0.26's scheduler applies a chunk to a parked session without its max_tokens; the
     # wrapper adds it. A scheduler of that shape, then the engine's own.
     from genlm_backend.llm.vllm import internals
+    from genlm_backend.llm.vllm.internals.installed import installed_on
 
     class Scheduler026:
         def _update_request_as_session(self, session, update):
@@ -427,7 +430,7 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
     scheduler._update_request_as_session(session, types.SimpleNamespace(prompt_token_ids=[4], max_tokens=500))
     assert session.prompt_token_ids == [1, 2, 4] and session.max_tokens == 500
     engine_scheduler = vlm.llm.llm_engine.engine_core.engine_core.scheduler
-    assert engine_scheduler._genlm_chunk_max_tokens is True
+    assert installed_on(engine_scheduler)["chunk_max_tokens"] is True
     params = inspect.signature(type(engine_scheduler)._update_request_as_session).parameters
     assert list(params)[1:] == ["session", "update"]
 
@@ -442,7 +445,9 @@ def test_parked_sessions_wait_where_the_bypass_takes_them_from(vlm):
     from vllm.v1.request import RequestStatus
 
     scheduler = vlm.llm.llm_engine.engine_core.engine_core.scheduler
-    assert scheduler._genlm_parked_bypass is True
+    from genlm_backend.llm.vllm.internals.installed import installed_on
+
+    assert installed_on(scheduler)["parked_bypass"] is True
     vlm.close_sessions()
     asyncio.run(vlm.next_token_logprobs([3, 5, 7, 11]))
     vlm._engine_thread.submit(lambda: None).result()  # other engine work: the session parks
@@ -487,13 +492,15 @@ def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from genlm_backend.llm.vllm.internals.installed import installed_on
+
     forward = inspect.getsource(Sampler.forward)
     assert forward.index("apply_logits_processors(") < forward.index("self.sample(")
     assert list(inspect.signature(Sampler.sample).parameters)[1:3] == ["logits", "sampling_metadata"]
     assert "self._to_list(sampled_token_ids)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
     engine = vlm.llm.llm_engine
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    assert vlm._forcing is not None and runner._genlm_forced_sampling is vlm._forcing
+    assert vlm._forcing is not None and installed_on(runner)["forced_sampling"] is vlm._forcing
     from genlm_backend.llm.vllm import internals
 
     assert internals.install_forced_sampling(engine, object()) is vlm._forcing  # once per runner
@@ -644,16 +651,20 @@ def test_step_hooks_see_each_output_before_the_scheduler_does():
     a scheduler; each hook sees the step output before the scheduler handles it."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from genlm_backend.llm.vllm import internals
+    from genlm_backend.llm.vllm.internals import remote
 
     assert list(inspect.signature(Scheduler.update_from_output).parameters)[1:3] == [
         "scheduler_output", "model_runner_output"]
     seen, calls = [], []
-    scheduler = types.SimpleNamespace(update_from_output=lambda so, out: calls.append(out) or seen.append("update")
-                                      or "done")
-    internals.remote._before_update(scheduler, lambda so, out: seen.append(("first", out)))
+
+    class FakeScheduler:  # (weakly referable, as vLLM's)
+        def update_from_output(self, so, out):
+            return calls.append(out) or seen.append("update") or "done"
+
+    scheduler = FakeScheduler()
+    remote._before_update(scheduler, lambda so, out: seen.append(("first", out)))
     wrapper = scheduler.update_from_output
-    internals.remote._before_update(scheduler, lambda so, out: seen.append(("second", out)))
+    remote._before_update(scheduler, lambda so, out: seen.append(("second", out)))
     assert scheduler.update_from_output is wrapper  # one wrapper, however many hooks
     assert scheduler.update_from_output(None, "out") == "done" and calls == ["out"]
     assert seen == [("first", "out"), ("second", "out"), "update"]

@@ -93,13 +93,13 @@ async def test_forced_steps_give_the_rows_of_forcing_through_the_logits(vlm):
     contexts = prompts_of([5, 8, 13], seed=49)
     final_on, rows_on = await lockstep(vlm, contexts, 4)
     vlm.close_sessions()
-    vlm._forcing.enabled = False
-    try:
+    from genlm_backend.llm.vllm import capture
+
+    with pytest.MonkeyPatch.context() as patch:  # the processor forces tokens in the logits
+        patch.setattr(capture, "current_forcing", lambda: None)
         engine = vlm.stats()["engine"]
         final_off, rows_off = await lockstep(vlm, contexts, 4)
         assert vlm.stats()["engine"]["num_forced_steps"] == engine["num_forced_steps"]
-    finally:
-        vlm._forcing.enabled = True
     assert final_on == final_off
     for a, b in zip(rows_on, rows_off):
         assert_same_rows(a, b)
@@ -142,9 +142,10 @@ async def test_parked_sessions_stay_out_of_the_schedulers_walk(vlm, hf_reference
     from vllm.v1.request import RequestStatus
 
     from genlm_backend.llm.vllm.internals.engine_core import _scheduler
+    from genlm_backend.llm.vllm.internals.installed import installed_on
 
     scheduler = _scheduler(vlm.llm.llm_engine)
-    assert getattr(scheduler, "_genlm_parked_bypass", False)
+    assert installed_on(scheduler).get("parked_bypass")
     name = next((n for n in ("_handle_blocked_waiting_request", "_try_promote_blocked_waiting_request")
                  if hasattr(scheduler, n)), None)
     assert name is not None, "vLLM's scheduler has neither blocked-request check this test counts through"

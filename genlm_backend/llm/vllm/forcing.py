@@ -39,7 +39,6 @@ class ForcedSampling:
     """
 
     def __init__(self) -> None:
-        self.enabled = True
         self.pending: list[tuple[int, int]] | None = None  # (row, token), named this step
         self.host: list[list[int]] | None = None  # this step's tokens, for the runner's copy
         self.num_skipped = 0  # steps sampled without vLLM's sampler
@@ -49,7 +48,7 @@ class ForcedSampling:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             outer = getattr(_LOCAL, "forcing", None)
-            _LOCAL.forcing = self if self.enabled else None
+            _LOCAL.forcing = self
             self.pending = self.host = None
             try:
                 out = original(*args, **kwargs)
@@ -65,14 +64,16 @@ class ForcedSampling:
 
         return forward
 
-    def wrap_sample(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``Sampler.sample(logits, sampling_metadata)``."""
+    def wrap_sample(self, original: Callable[..., Any],
+                    plain_greedy: Callable[[Any], bool]) -> Callable[..., Any]:
+        """``Sampler.sample(logits, sampling_metadata)``; ``plain_greedy(sampling_metadata)``
+        tells a step whose every row is greedy and asks for no log-probabilities
+        (:func:`~genlm_backend.llm.vllm.internals.plain_greedy`)."""
 
         def sample(logits: torch.Tensor, metadata: Any, *args: Any, **kwargs: Any) -> Any:
             forced, self.pending = self.pending, None
             if forced is not None:
-                if (len(forced) == logits.shape[0] and metadata.all_greedy and metadata.max_num_logprobs is None
-                        and not getattr(metadata, "logprob_token_ids", None)):
+                if len(forced) == logits.shape[0] and plain_greedy(metadata):
                     tokens = [t for _, t in forced]
                     self.host = [[t] for t in tokens]
                     self.num_skipped += 1

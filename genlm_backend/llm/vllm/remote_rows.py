@@ -10,9 +10,12 @@ from typing import Any
 
 import torch
 
+from .. import row_ring
+from . import capture
 from .capture import _SINKS, LogprobsCaptureProcessor, _final_rows, _rows_of, _Staging
+from .forcing import ForcedSampling
 
-__all__ = ["RemoteRows", "deliver_remote", "gather_remote"]
+__all__ = ["RemoteParts", "RemoteRows", "deliver_remote", "gather_remote"]
 
 
 class RemoteRows:
@@ -98,3 +101,37 @@ def deliver_remote(parts: list[tuple[str, list[int], Any]], ring: Any = None) ->
                 decisions = {} if decisions is None else decisions
                 decisions.setdefault(token, {}).update(forced)
     return decisions
+
+
+class RemoteParts:
+    """What :func:`~genlm_backend.llm.vllm.internals.install_remote_capture` is given of the
+    modules above it: the rows' ring, gatherer and hand-over, and the forcing of tokens. It
+    travels pickled to the worker processes, and looks its parts up when called."""
+
+    read_lag = row_ring.READ_LAG
+
+    def deliver(self, parts: list, ring: Any) -> dict[str, dict[int, int]] | None:
+        return deliver_remote(parts, ring)
+
+    def open_ring(self, handle: tuple) -> row_ring.RowRing:
+        return row_ring.open_ring(handle)
+
+    def create_ring(self, max_rows: int, depth: int, width: int, device: Any,
+                    lag: int) -> row_ring.RowRing:
+        return row_ring.RowRing.create(max_rows, depth, width, device, lag)
+
+    def forcing(self) -> ForcedSampling:
+        return ForcedSampling()
+
+    def set_decisions(self, decisions: dict[str, dict[int, int]] | None) -> None:
+        capture.set_decisions(decisions)
+
+    def new_rows(self, discarded: Callable[[int], Any] | None, ring: Any,
+                 early: bool) -> RemoteRows:
+        return RemoteRows(discarded, ring, early)
+
+    def set_remote(self, remote: RemoteRows) -> None:
+        capture.set_remote(remote)
+
+    def gather(self, processors: Any, logits: torch.Tensor, remote: RemoteRows) -> list | None:
+        return gather_remote(processors, logits, remote)

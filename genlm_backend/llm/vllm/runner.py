@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..._engine_thread import TurnLock
+from ...engine_thread import TurnLock
 from ...exceptions import ClosedError, EngineError, InvalidRequestError
 from . import internals
 

@@ -8,7 +8,7 @@ row it produced last. It is in one of three states:
 * ``running``: a chunk (its first prompt, or tokens appended to a parked session) or a
   continuation is in flight;
 * ``held``: its row was just captured, inside the engine step that computed it, and the
-  step waits (:meth:`~genlm_backend._engine_thread.EngineThread.hold`) for the next batch's
+  step waits (:meth:`~genlm_backend.engine_thread.EngineThread.hold`) for the next batch's
   plan. A request that extends its context by one token *continues* it: that token is
   forced as the session's next token (the capture processor sets every other logit to
   -inf), so the next step computes the new row as a plain decode step, without re-adding

@@ -147,23 +147,7 @@ def cpu_compile_defaults(chosen: dict) -> dict:
     caller gave ``compilation_config`` or ``enforce_eager``)."""
     if "compilation_config" in chosen or "enforce_eager" in chosen:
         return {}
-    return {"compilation_config": {"mode": 0}} if _cpu_aot_reload_fails() else {}
-
-
-def _cpu_aot_reload_fails() -> bool:
-    """Whether vLLM would AOT-compile a CPU engine's model into an artefact that the next start
-    cannot load: AOT compile on (vLLM's default with torch 2.10 or newer, read from the
-    caller's environment) and a loader that finalises what it loads as vLLM's own compiled
-    function (``VllmSerializableFunction.finalize_loading``, 0.32), which the CPU platform's
-    plain Inductor compile does not produce."""
-    import vllm.envs
-
-    try:
-        from vllm.compilation.caching import VllmSerializableFunction
-    except ImportError:  # a vLLM without that loader
-        return False
-    loader_finalises = hasattr(VllmSerializableFunction, "finalize_loading")
-    return bool(vllm.envs.VLLM_USE_AOT_COMPILE) and loader_finalises
+    return {"compilation_config": {"mode": 0}} if internals.cpu_aot_reload_fails() else {}
 
 
 def quiet_log_defaults(chosen: dict) -> dict:
@@ -223,8 +207,6 @@ def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
     out, also when the build fails, every one of :data:`ENGINE_VARIABLES` gets the caller's
     value back, and vLLM's cache of its variables (which the engine core fills as it starts)
     is read again from the caller's environment."""
-    import vllm.envs
-
     saved = {name: os.environ.get(name) for name in ENGINE_VARIABLES}
     cached = internals.envs_cache_enabled()
     try:
@@ -233,7 +215,7 @@ def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
             internals.prefer_v1_model_runner()
         internals.prefer_spawned_workers(opts)
         if cached:  # values cached for an earlier engine would hide the ones set above
-            vllm.envs.disable_envs_cache()
+            internals.off_envs_cache()
         yield
     finally:
         for name, value in saved.items():
@@ -242,8 +224,7 @@ def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
             else:
                 os.environ[name] = value
         if cached or internals.envs_cache_enabled():
-            vllm.envs.disable_envs_cache()
-            vllm.envs.enable_envs_cache()
+            internals.refill_envs_cache()
 
 
 def cpu_kv_cache_bytes(model_name: str, chosen: dict, available: int | None = None) -> int | None:

@@ -172,7 +172,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         self._sink.discarded = internals.discard_mask_reader(engine)
         # Workers in other processes (tensor parallelism, the "mp" executor) write their rows
         # into a ring this process maps, and the step waits here for the tokens to force.
-        self._remote = internals.install_remote_capture(llm, remote_rows.deliver_remote) if can_capture else None
+        self._remote = (internals.install_remote_capture(llm, remote_rows.RemoteParts())
+                        if can_capture else None)
         self._sink.remote_final = self._remote is not None and self._remote.final_rows
         self._holds = (
             can_capture

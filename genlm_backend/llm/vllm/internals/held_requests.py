@@ -15,6 +15,7 @@ from vllm import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from .engine_core import _model_runner, _scheduler
+from .installed import installed_on
 
 __all__ = [
     "add_session_chunk",
@@ -24,6 +25,7 @@ __all__ = [
     "install_forced_sampling",
     "install_parked_bypass",
     "park",
+    "plain_greedy",
     "supports_sessions",
 ]
 
@@ -66,7 +68,7 @@ def _install_generator_rewind(runner: Any) -> bool:
         return False
     if torch.device(getattr(runner, "device", "cuda")).type != "cpu":
         return False
-    if getattr(runner, "_genlm_generator_rewind", False):
+    if installed_on(runner).get("generator_rewind"):
         return True
 
     def sampler_forward(logits: Any, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
@@ -91,14 +93,15 @@ def _install_generator_rewind(runner: Any) -> bool:
 
     sampler.forward = sampler_forward
     runner._bookkeeping_sync = bookkeeping_sync
-    runner._genlm_generator_rewind = True
+    installed_on(runner)["generator_rewind"] = True
     return True
 
 
 def install_forced_sampling(engine: Any, forcing: Any) -> Any:
     """Wraps the in-process model runner's sampler and host copy with ``forcing`` (a
-    :class:`~genlm_backend.llm.vllm.capture.ForcedSampling`: ``wrap_forward``, ``wrap_sample`` and
-    ``wrap_to_list`` take the originals and return their replacements). Returns the
+    :class:`~genlm_backend.llm.vllm.forcing.ForcedSampling`: ``wrap_forward``, ``wrap_sample``
+    and ``wrap_to_list`` take the originals, ``wrap_sample`` also :func:`plain_greedy`, and
+    return their replacements). Returns the
     ``ForcedSampling`` in effect (an earlier one when this runner has one already), or None
     where the runner is not in this process or lacks those calls."""
     return _install_forced(_model_runner(engine), forcing)
@@ -109,14 +112,22 @@ def _install_forced(runner: Any, forcing: Any) -> Any:
     if runner is None or not all(callable(getattr(o, n, None)) for o, n in
                                  ((sampler, "forward"), (sampler, "sample"), (runner, "_to_list"))):
         return None
-    installed = getattr(runner, "_genlm_forced_sampling", None)
+    installed = installed_on(runner).get("forced_sampling")
     if installed is not None:
         return installed
     sampler.forward = forcing.wrap_forward(sampler.forward)
-    sampler.sample = forcing.wrap_sample(sampler.sample)
+    sampler.sample = forcing.wrap_sample(sampler.sample, plain_greedy)
     runner._to_list = forcing.wrap_to_list(runner._to_list)
-    runner._genlm_forced_sampling = forcing
+    installed_on(runner)["forced_sampling"] = forcing
     return forcing
+
+
+def plain_greedy(metadata: Any) -> bool:
+    """Whether the sampler's ``SamplingMetadata`` is of a step whose every row is greedy and
+    asks for no log-probabilities (``all_greedy``, ``max_num_logprobs``,
+    ``logprob_token_ids`` where it exists)."""
+    return bool(metadata.all_greedy and metadata.max_num_logprobs is None
+                and not getattr(metadata, "logprob_token_ids", None))
 
 
 def install_chunk_max_tokens(engine: Any) -> bool:
@@ -132,7 +143,7 @@ def install_chunk_max_tokens(engine: Any) -> bool:
     original = getattr(scheduler, "_update_request_as_session", None)
     if original is None:
         return False
-    if getattr(scheduler, "_genlm_chunk_max_tokens", False):
+    if installed_on(scheduler).get("chunk_max_tokens"):
         return True
 
     def update_request_as_session(session: Any, update: Any) -> None:
@@ -142,7 +153,7 @@ def install_chunk_max_tokens(engine: Any) -> bool:
             session.max_tokens = max_tokens
 
     scheduler._update_request_as_session = update_request_as_session
-    scheduler._genlm_chunk_max_tokens = True
+    installed_on(scheduler)["chunk_max_tokens"] = True
     return True
 
 
@@ -170,7 +181,7 @@ def install_parked_bypass(engine: Any) -> bool:
     counted = hasattr(scheduler, "num_waiting_for_streaming_input")
     if original is None or parked_status is None or not queues or not counted:
         return False
-    if getattr(scheduler, "_genlm_parked_bypass", False):
+    if installed_on(scheduler).get("parked_bypass"):
         return True
 
     def schedule(*args: Any, **kwargs: Any) -> Any:
@@ -191,7 +202,7 @@ def install_parked_bypass(engine: Any) -> bool:
                 queue.extend(parked)
 
     scheduler.schedule = schedule
-    scheduler._genlm_parked_bypass = True
+    installed_on(scheduler)["parked_bypass"] = True
     return True
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .engine_core import CHECKED_VERSIONS, _model_runner
+from .installed import installed_on
 
 __all__ = ["install_lora_base_rows", "lora_refusal"]
 
@@ -79,12 +80,12 @@ def _keep_base_rows_in(runner: Any) -> bool:
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
     for wrapper in wrappers.values():
-        if not isinstance(wrapper, PunicaWrapperCPU) or getattr(wrapper, "_genlm_base_rows", False):
+        if not isinstance(wrapper, PunicaWrapperCPU) or installed_on(wrapper).get("base_rows"):
             continue
         for name in _TOKEN_LORA_CALLS:
             setattr(wrapper, name, _keep_base_rows(getattr(wrapper, name), lambda w=wrapper: w.token_lora_indices))
         wrapper.add_lora_logits = _keep_base_rows(wrapper.add_lora_logits, lambda w=wrapper: w.sampler_indices)
-        wrapper._genlm_base_rows = True
+        installed_on(wrapper)["base_rows"] = True
     return True
 
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .engine_core import _model_runner, _scheduler
 from .held_requests import _install_forced, _install_generator_rewind, _mask_reader
+from .installed import installed_on
 
 __all__ = ["RING_BYTES", "EarlyRows", "Forced", "RemoteCapture", "install_remote_capture"]
 
@@ -58,54 +60,60 @@ class Forced:
     decisions: dict
 
 
-def install_remote_capture(llm: Any, on_rows: Callable[[Any, Any], dict | None]) -> RemoteCapture | None:
+def install_remote_capture(llm: Any, parts: Any) -> RemoteCapture | None:
     """Brings the captured rows of an engine whose workers run in other processes.
 
     The worker whose output the engine reads (``executor.output_rank``; the others capture
-    nothing) gathers the rows of this process's sinks
-    (:class:`~genlm_backend.llm.vllm.remote_rows.RemoteRows`) into a
-    :class:`~genlm_backend.llm.row_ring.RowRing` both processes map, and says where
-    they are; ``on_rows(parts, ring)`` hands them over on the engine thread and returns the
-    tokens to force after them (``{sink token: {tag: token}}``, or None). Returns None where
-    the model runner is in this process (nothing to do) or where this cannot be arranged
-    (the engine core in another process, a worker without these calls): log-probability
-    calls then fail with a clear error.
+    nothing) gathers the rows of this process's sinks into a ring both processes map, and
+    says where they are; they are handed over on the engine thread, which gets the tokens to
+    force after them (``{sink token: {tag: token}}``, or None). ``parts`` (pickled to the
+    workers, so made of module-level names:
+    :class:`~genlm_backend.llm.vllm.remote_rows.RemoteParts`) does what is not vLLM's:
+    ``deliver(rows, ring)`` hands rows over and returns those tokens; ``open_ring(handle)``,
+    ``create_ring(max_rows, depth, width, device, lag)`` and ``read_lag`` are the ring's;
+    in a worker, ``forcing()`` makes a forced sampling (:func:`install_forced_sampling`),
+    ``set_decisions(tokens)`` says the tokens to force this step, ``new_rows(discarded,
+    ring, early)`` makes the gatherer, ``set_remote(gatherer)`` gives it to the capture
+    processors and ``gather(processors, logits, gatherer)`` gathers a step's rows before
+    sampling. Returns None where the model runner is in this process (nothing to do) or where
+    this cannot be arranged (the engine core in another process, a worker without these
+    calls): log-probability calls then fail with a clear error.
     """
-    from ...row_ring import READ_LAG, open_ring
-
     engine = llm.llm_engine
     scheduler = _scheduler(engine)
     core = getattr(engine.engine_core, "engine_core", None)
     executor = getattr(core, "model_executor", None)
     if _model_runner(engine) is not None or scheduler is None or executor is None:
         return None
-    if getattr(scheduler, "_genlm_remote_capture", None) is not None:
-        return scheduler._genlm_remote_capture
+    if installed_on(scheduler).get("remote_capture") is not None:
+        return installed_on(scheduler)["remote_capture"]
     config = engine.vllm_config
     width = int(engine.model_config.get_vocab_size())
     early = _one_step_at_a_time(core) and all(callable(getattr(executor, n, None))
                                               for n in ("execute_model", "sample_tokens"))
     # Rows read before their step samples wait for no later step (see row_ring).
-    depth, lag = (0, 0) if early else (max(int(getattr(config, "max_concurrent_batches", 2)) - 1, 1), READ_LAG)
+    batches = int(getattr(config, "max_concurrent_batches", 2))
+    depth, lag = (0, 0) if early else (max(batches - 1, 1), parts.read_lag)
     max_rows = min(int(config.scheduler_config.max_num_seqs), RING_BYTES // ((depth + lag + 2) * width * 4))
-    installed = llm.collective_rpc(_install_in_worker,
-                                   args=(getattr(executor, "output_rank", 0), max_rows, depth, lag, width, early))
+    installed = llm.collective_rpc(_install_in_worker, args=(
+        parts, getattr(executor, "output_rank", 0), max_rows, depth, lag, width, early))
     found = next((i for i in installed if isinstance(i, dict)), None)
     if found is None:
         return None
     ring = None
     if found["ring"] is not None:
         try:
-            ring = open_ring(found["ring"])
+            ring = parts.open_ring(found["ring"])
             ring.lag = lag
         except (RuntimeError, OSError):  # the worker is on another host: rows travel as arrays
             llm.collective_rpc(_drop_ring)
     remote = RemoteCapture(ring, found["final_rows"], early)
     if early:
-        _hand_over_before_sampling(executor, lambda parts: on_rows(parts, remote.ring))
+        _hand_over_before_sampling(executor, lambda rows: parts.deliver(rows, remote.ring))
     else:
-        _before_update(scheduler, lambda _scheduled, output: _deliver_rows(output, on_rows, remote.ring))
-    scheduler._genlm_remote_capture = remote
+        _before_update(scheduler,
+                       lambda _scheduled, output: _deliver_rows(output, parts.deliver, remote.ring))
+    installed_on(scheduler)["remote_capture"] = remote
     return remote
 
 
@@ -168,7 +176,7 @@ def _before_update(scheduler: Any, hook: Callable[[Any, Any], None]) -> None:
     """Runs ``hook(scheduler_output, model_runner_output)`` on every step output before the
     scheduler's ``update_from_output`` handles it (one wrapper a scheduler; hooks run in the
     order they were installed)."""
-    hooks = getattr(scheduler, "_genlm_before_update", None)
+    hooks = installed_on(scheduler).get("before_update")
     if hooks is None:
         hooks = []
         original = scheduler.update_from_output
@@ -179,20 +187,17 @@ def _before_update(scheduler: Any, hook: Callable[[Any, Any], None]) -> None:
             return original(scheduler_output, model_runner_output)
 
         scheduler.update_from_output = update_from_output
-        scheduler._genlm_before_update = hooks
+        installed_on(scheduler)["before_update"] = hooks  # (hooks that do not refer to it)
     hooks.append(hook)
 
 
-def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int, lag: int, width: int,
-                       early: bool) -> dict | bool:
+def _install_in_worker(worker: Any, parts: Any, output_rank: int, max_rows: int, depth: int,
+                       lag: int, width: int, early: bool) -> dict | bool:
     """In a worker process (through ``collective_rpc``): every rank forces the tokens that
     come with ``sample_tokens``; the output rank also gathers rows for the engine's process,
     into a row ring it shares, and replies with them (``early``: to ``execute_model``, else
     with the step's output). Returns the ring's handle and whether the rank tells partial
     prefills (False on the other ranks, and where the rows cannot be gathered as asked)."""
-    from .. import capture
-    from ..forcing import ForcedSampling
-
     runner = getattr(worker, "model_runner", None)
     _install_generator_rewind(runner)  # every rank samples
     sample_tokens = getattr(worker, "sample_tokens", None)
@@ -200,47 +205,52 @@ def _install_in_worker(worker: Any, output_rank: int, max_rows: int, depth: int,
         return False
     if early and not (hasattr(runner, "execute_model_state") and callable(getattr(worker, "execute_model", None))):
         return False  # (its ring would be sized for rows read at once)
-    if not getattr(worker, "_genlm_forced", False):
-        _install_forced(runner, ForcedSampling())
+    if not installed_on(worker).get("forced"):
+        _install_forced(runner, parts.forcing())
 
         def sample(grammar_output: Any) -> Any:
             if type(grammar_output) is not Forced:
                 return sample_tokens(grammar_output)
-            capture.set_decisions(grammar_output.decisions)
+            parts.set_decisions(grammar_output.decisions)
             try:
                 return sample_tokens(grammar_output.grammar_output)
             finally:
-                capture.set_decisions(None)
+                parts.set_decisions(None)
 
         worker.sample_tokens = sample
-        worker._genlm_forced = True
+        installed_on(worker)["forced"] = True
     if getattr(worker, "rank", None) != output_rank:
         return False
-    remote = getattr(runner, "_genlm_remote", None)
+    remote = _gatherer(runner)
     if remote is None:
-        remote = _gather_in(worker, runner, max_rows, depth, lag, width, early)
+        remote = _gather_in(worker, runner, parts, max_rows, depth, lag, width, early)
     ring = remote.ring
     return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None}
 
 
 def _drop_ring(worker: Any) -> None:
     """In a worker process: its rows go in its replies, not into a ring."""
-    remote = getattr(getattr(worker, "model_runner", None), "_genlm_remote", None)
+    remote = _gatherer(getattr(worker, "model_runner", None))
     if remote is not None:
         remote.ring = None
 
 
-def _gather_in(worker: Any, runner: Any, max_rows: int, depth: int, lag: int, width: int, early: bool) -> Any:
+def _gatherer(runner: Any) -> Any:
+    """The gatherer of rows installed in this worker's ``runner``, if any."""
+    found = installed_on(runner).get("gatherer") if runner is not None else None
+    return None if found is None else found()
+
+
+def _gather_in(worker: Any, runner: Any, parts: Any, max_rows: int, depth: int, lag: int,
+               width: int, early: bool) -> Any:
     """Makes the output rank's capture processors gather the rows of the engine process's
     sinks, and its replies carry them."""
-    from .. import capture, remote_rows
-    from ...row_ring import RowRing
-
+    device = getattr(runner, "device", "cpu")
     try:
-        ring = RowRing.create(max_rows, depth, width, getattr(runner, "device", "cpu"), lag) if max_rows > 0 else None
+        ring = parts.create_ring(max_rows, depth, width, device, lag) if max_rows > 0 else None
     except (RuntimeError, OSError):  # no room for it: rows travel as arrays
         ring = None
-    remote = remote_rows.RemoteRows(_mask_reader(runner), ring, early)
+    remote = parts.new_rows(_mask_reader(runner), ring, early)
     if early:
         execute_model = worker.execute_model
 
@@ -249,8 +259,8 @@ def _gather_in(worker: Any, runner: Any, max_rows: int, depth: int, lag: int, wi
             state = runner.execute_model_state
             if output is not None or state is None:
                 return output
-            parts = remote_rows.gather_remote(runner.input_batch.logitsprocs.all, state.logits, remote)
-            return None if parts is None else EarlyRows(parts)
+            rows = parts.gather(runner.input_batch.logitsprocs.all, state.logits, remote)
+            return None if rows is None else EarlyRows(rows)
 
         worker.execute_model = execute
     else:
@@ -262,8 +272,9 @@ def _gather_in(worker: Any, runner: Any, max_rows: int, depth: int, lag: int, wi
             return output if rows is None else _carrying(output, rows)
 
         runner.sample_tokens = sample
-    runner._genlm_remote = remote
-    capture.set_remote(remote)
+    # (the gatherer's mask reader refers to the runner; the wrappers above hold it)
+    installed_on(runner)["gatherer"] = weakref.ref(remote)
+    parts.set_remote(remote)
     return remote
 
 

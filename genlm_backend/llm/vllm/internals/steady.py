@@ -33,11 +33,13 @@ the end-of-sequence id of the request's parameters, ``stop_token_ids``, ``max_to
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from vllm.sampling_params import RequestOutputKind
 
 from .engine_core import _scheduler
+from .installed import installed_on
 
 __all__ = ["install_steady_steps"]
 
@@ -63,18 +65,18 @@ def install_steady_steps(engine: Any) -> Any:
     scheduler = _scheduler(engine)
     if scheduler is None:
         return None
-    installed = getattr(scheduler, "_genlm_steady", None)
-    if installed is not None:
-        return installed
+    installed = installed_on(scheduler).get("steady")
+    if installed is not None and installed() is not None:
+        return installed()
     block_size = _full_attention_block_size(scheduler)
     if block_size is None or not _plain_scheduler(scheduler):
         return None
-    if hasattr(scheduler, "_genlm_before_update"):
+    if "before_update" in installed_on(scheduler):
         return None  # hooks read each step's output, which a steady update does not make
     steady = SteadySteps(scheduler, block_size)
     scheduler.schedule = steady.schedule
     scheduler.update_from_output = steady.update_from_output
-    scheduler._genlm_steady = steady
+    installed_on(scheduler)["steady"] = weakref.ref(steady)  # (steady refers to scheduler)
     return steady
 
 
@@ -119,8 +121,8 @@ class SteadySteps:
     def __init__(self, scheduler: Any, block_size: int):
         self.scheduler = scheduler
         self.block_size = block_size
-        self.general_schedule = scheduler.schedule
-        self.general_update = scheduler.update_from_output
+        self._general_schedule = scheduler.schedule
+        self._general_update = scheduler.update_from_output
         self.num_steady = 0
         self.num_general = 0
         self.num_steady_updates = 0
@@ -132,7 +134,7 @@ class SteadySteps:
         output = self._steady_output() if self._template is not None else None
         if output is None:
             self.num_general += 1
-            output = self.general_schedule(*args, **kwargs)
+            output = self._general_schedule(*args, **kwargs)
             self._sessions = self._plain_sessions(output)
             if self._sessions is not None:
                 self._template = output
@@ -145,7 +147,7 @@ class SteadySteps:
         if scheduler_output is not self._last or self._sessions is None or not self._takes_tokens(
             model_runner_output
         ):
-            return self.general_update(scheduler_output, model_runner_output)
+            return self._general_update(scheduler_output, model_runner_output)
         self.num_steady_updates += 1
         return {}
 
