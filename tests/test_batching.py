@@ -77,7 +77,7 @@ async def test_full_batch_runs_at_once_and_never_exceeds_the_limit():
     await asyncio.gather(*(batcher.submit(k) for k in range(9)))
     assert time.perf_counter() - start < 5.0  # three full batches, no 30 s timer
     assert [len(b) for b in rec.batches] == [3, 3, 3]
-    assert sorted(sum(rec.batches, [])) == list(range(9))
+    assert sorted(k for b in rec.batches for k in b) == list(range(9))
     batcher.close()
 
 
@@ -426,7 +426,7 @@ def test_every_awaiter_resolves_exactly_once_and_correctly(
                 if c == step:
                     tasks[i].cancel()
             await asyncio.sleep(0)
-        done, pending = await asyncio.wait(tasks, timeout=10.0)
+        _, pending = await asyncio.wait(tasks, timeout=10.0)
         assert not pending, "an awaiter was left hanging"
         return tasks
 

@@ -668,9 +668,9 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
+    from genlm_backend.llm.row_ring import RowRing
     from genlm_backend.llm.vllm import capture as vllm_capture
     from genlm_backend.llm.vllm import remote_rows
-    from genlm_backend.llm.row_ring import RowRing
 
     sink = vllm_capture.CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
