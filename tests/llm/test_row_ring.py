@@ -32,7 +32,9 @@ def claimed(num_slots: int, max_rows: int, seed: int, steps: int = 3000) -> list
 
 def overwritten(steps: list[set[int]], depth: int) -> bool:
     """Some step's slots are written again within the ``depth`` steps after it."""
-    return any(steps[k] & set().union(*steps[k + 1 : k + 1 + depth]) for k in range(len(steps) - depth))
+    return any(
+        steps[k] & set().union(*steps[k + 1 : k + 1 + depth]) for k in range(len(steps) - depth)
+    )
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -69,8 +71,18 @@ def _write_in_child(handle, start, rows):
     ring.slots(start, rows.shape[0]).copy_(rows.to(ring.rows.device))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="a CUDA ring needs a GPU"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="a CUDA ring needs a GPU"
+            ),
+        ),
+    ],
+)
 def test_rows_written_in_another_process_read_back_exactly(device):
     """The worker's side is the other way round (it makes the ring, this process maps it);
     a ring mapped from a handle and one made here are the same object either way."""

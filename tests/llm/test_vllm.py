@@ -107,7 +107,9 @@ async def test_bad_input_fails_only_its_caller(vlm, hf_reference):
 def test_lora_matches_the_merged_model(vlm, tiny_model_dirs, hf_reference):
     prompt = prompts_of([13], seed=10)[0]
     vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
-    assert_matches(vlm.next_token_logprobs_sync(prompt, lora_name="ad"), hf_reference("merged", prompt))
+    assert_matches(
+        vlm.next_token_logprobs_sync(prompt, lora_name="ad"), hf_reference("merged", prompt)
+    )
     assert_matches(vlm.next_token_logprobs_sync(prompt), hf_reference("base", prompt))
     vlm.set_lora(lora_name="ad")
     assert_matches(vlm.next_token_logprobs_sync(prompt), hf_reference("merged", prompt))
@@ -202,7 +204,9 @@ async def test_sampling_options(vlm):
     many = await vlm.sample(prompt, 4, [], n=3, seed=1)
     assert len(many) == 3 and all(len(s) == 4 for s in many)
     for options in (
-        {"top_p": 0.5}, {"min_p": 0.1}, {"repetition_penalty": 1.3},
+        {"top_p": 0.5},
+        {"min_p": 0.1},
+        {"repetition_penalty": 1.3},
         {"presence_penalty": 0.5, "frequency_penalty": 0.5},
     ):
         tokens = await vlm.sample(prompt, 4, [], seed=2, **options)
@@ -218,8 +222,12 @@ async def test_structured_output(vlm):
     eos = [vlm.tokenizer.eos_token_id]
     digits = await vlm.sample(prompt, 12, eos, regex="[0-9]{3}", seed=0)
     assert re.fullmatch("[0-9]{3}", vlm.tokenizer.decode(digits).strip())
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     text = vlm.tokenizer.decode(await vlm.sample(prompt, 60, eos, json_schema=schema, seed=0))
     assert isinstance(json.loads(text)["a"], int)
 
@@ -245,7 +253,9 @@ async def test_out_of_memory_splits_the_batch(vlm, hf_reference):
 
     vlm._runner.before_attempt = inject
     splits = vlm.stats()["engine"]["num_oom_splits"]
-    results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True)
+    results = await asyncio.gather(
+        *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
+    )
     assert sizes[0] == 6 and 1 in sizes
     assert vlm.stats()["engine"]["num_oom_splits"] > splits
     assert isinstance(results[4], EngineError) and "out of device memory" in str(results[4])
@@ -257,7 +267,9 @@ async def test_out_of_memory_splits_the_batch(vlm, hf_reference):
 async def test_an_engine_error_fails_its_batch_and_the_model_keeps_working(vlm):
     prompts = prompts_of([4, 5], seed=17)
     vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
-    results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True)
+    results = await asyncio.gather(
+        *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
+    )
     assert all(isinstance(r, EngineError) for r in results)
     vlm._runner.before_attempt = None
     assert (await vlm.next_token_logprobs(prompts[0])).shape == (32000,)
@@ -283,16 +295,24 @@ async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_en
 
     monkeypatch.setattr(vllm_capture.LogprobsCaptureProcessor, "apply", fail_once)
     prompts = prompts_of([3, 4, 5], seed=18)
-    failed = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True)
+    failed = await asyncio.gather(
+        *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
+    )
     assert all(isinstance(r, EngineError) for r in failed)
     monkeypatch.undo()
-    for prompt, row in zip(prompts, await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))):
+    for prompt, row in zip(
+        prompts, await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))
+    ):
         assert_matches(row, hf_reference("base", prompt))
     assert len(await vlm.sample(prompts[0], 3, [], seed=0)) == 3
     vlm.close_sessions()
     out = await asyncio.wait_for(
-        asyncio.to_thread(vlm.llm.generate, [TokensPrompt(prompt_token_ids=[5, 6, 7])],
-                          SamplingParams(max_tokens=2), use_tqdm=False),
+        asyncio.to_thread(
+            vlm.llm.generate,
+            [TokensPrompt(prompt_token_ids=[5, 6, 7])],
+            SamplingParams(max_tokens=2),
+            use_tqdm=False,
+        ),
         timeout=120,
     )
     assert len(out[0].outputs[0].token_ids) == 2

@@ -30,7 +30,9 @@ async def lockstep(vlm, contexts, num_steps, lora_name=None):
     """Every context takes its greedy token each step; returns the contexts and their rows."""
     rows = []
     for _ in range(num_steps):
-        rows = await asyncio.gather(*(vlm.next_token_logprobs(c, lora_name=lora_name) for c in contexts))
+        rows = await asyncio.gather(
+            *(vlm.next_token_logprobs(c, lora_name=lora_name) for c in contexts)
+        )
         contexts = [c + [int(r.argmax())] for c, r in zip(contexts, rows)]
     return [c[:-1] for c in contexts], rows
 
@@ -68,7 +70,8 @@ async def test_lockstep_steps_continue_held_sessions_without_re_adding_them(vlm,
     after = sessions(vlm)
     assert after["num_opened"] - before["num_opened"] == 3
     assert after["num_continued"] - before["num_continued"] == 12
-    assert vlm.stats()["engine"]["num_steps"] - engine["num_steps"] == 5  # one engine step per lockstep step
+    # one engine step per lockstep step
+    assert vlm.stats()["engine"]["num_steps"] - engine["num_steps"] == 5
     # Steps 2-5 force every row: their tokens are the sample, without vLLM's sampler.
     assert vlm.stats()["engine"]["num_forced_steps"] - engine["num_forced_steps"] == 4
 
@@ -145,9 +148,17 @@ async def test_parked_sessions_stay_out_of_the_schedulers_walk(vlm, hf_reference
 
     scheduler = _scheduler(vlm.llm.llm_engine)
     assert getattr(scheduler, "_genlm_parked_bypass", False)
-    name = next((n for n in ("_handle_blocked_waiting_request", "_try_promote_blocked_waiting_request")
-                 if hasattr(scheduler, n)), None)
-    assert name is not None, "vLLM's scheduler has neither blocked-request check this test counts through"
+    name = next(
+        (
+            n
+            for n in ("_handle_blocked_waiting_request", "_try_promote_blocked_waiting_request")
+            if hasattr(scheduler, n)
+        ),
+        None,
+    )
+    assert name is not None, (
+        "vLLM's scheduler has neither blocked-request check this test counts through"
+    )
     looked_at = []
     check = getattr(scheduler, name)
 
@@ -193,7 +204,9 @@ async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_referenc
     assert sessions(vlm)["num_extended"] - extended == 3
 
 
-async def test_new_sessions_are_built_on_an_earlier_sessions_request(vlm, hf_reference, monkeypatch):
+async def test_new_sessions_are_built_on_an_earlier_sessions_request(
+    vlm, hf_reference, monkeypatch
+):
     """vLLM's input processing (prompt rendering, parameter checks; most of the cost of a
     fork after resampling) runs for a backend's first session of an adapter only: later new
     sessions copy that session's engine request, with their own id and context."""
@@ -305,7 +318,9 @@ async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(vlm, 
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
     nxt = [c + [9] for c in contexts]
-    results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True)
+    results = await asyncio.gather(
+        *(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True
+    )
     assert all(isinstance(r, EngineError) for r in results)
     assert sessions(vlm)["num_live"] == 0
     vlm._runner.before_attempt = None
@@ -330,7 +345,9 @@ async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypa
 
     monkeypatch.setattr(internals, "add_session_chunk", refuse)
     nxt = [c + [11] for c in contexts]
-    results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True)
+    results = await asyncio.gather(
+        *(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True
+    )
     assert isinstance(results[1], InvalidRequestError)
     for i in (0, 2):
         assert_matches(results[i], hf_reference("base", nxt[i]))
@@ -361,7 +378,9 @@ async def test_sessions_are_kept_apart_per_adapter(vlm, hf_reference, tiny_model
     vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
     context = prompts_of([8], seed=38)[0]
     for step in range(3):
-        base, lora = await asyncio.gather(vlm.next_token_logprobs(context), vlm.next_token_logprobs(context, "ad"))
+        base, lora = await asyncio.gather(
+            vlm.next_token_logprobs(context), vlm.next_token_logprobs(context, "ad")
+        )
         assert_matches(base, hf_reference("base", context))
         assert_matches(lora, hf_reference("merged", context))
         context = context + [int(base.argmax())]
@@ -376,7 +395,9 @@ def test_close_sessions_lets_the_engine_be_driven_directly(vlm):
     vlm.next_token_logprobs_sync(prompts_of([6], seed=39)[0])
     assert vlm.close_sessions() >= 1
     llm = vlm.llm
-    out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
+    out = llm.generate(
+        [TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 2
 
 
@@ -483,7 +504,8 @@ async def test_a_continued_session_whose_row_never_comes_fails_only_its_caller(v
     try:
         nxt = [c + [31] for c in final]
         results = await asyncio.wait_for(
-            asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True), timeout=120
+            asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True),
+            timeout=120,
         )
     finally:
         del pool.plan
@@ -502,8 +524,13 @@ def test_a_held_session_that_cannot_be_parked_stays_closed():
     from genlm_backend.llm.vllm.session_pool import PlanEntry, SessionPool
 
     aborted = []
-    pool = SessionPool(aborted.extend, 4, park=lambda session: pool.close(session),
-                       follow=lambda tag, target: None, unfollow=lambda tag: None)
+    pool = SessionPool(
+        aborted.extend,
+        4,
+        park=lambda session: pool.close(session),
+        follow=lambda tag, target: None,
+        unfollow=lambda tag: None,
+    )
     checker = PromptChecker(100, None)
     first, other = checker.request([1, 2, 3], None), checker.request([7, 8, 9], None)
     (entry,) = pool.plan([first], None)
@@ -525,8 +552,10 @@ def test_free_parked_closes_the_least_recently_used_parked_sessions_a_batch_does
 
     aborted = []
     pool = SessionPool(aborted.extend, 8)
-    sessions = [Session(f"s{i}", None, state=state) for i, state in
-                enumerate(["parked", "running", "parked", "parked", "parked"])]
+    sessions = [
+        Session(f"s{i}", None, state=state)
+        for i, state in enumerate(["parked", "running", "parked", "parked", "parked"])
+    ]
     for session in sessions:  # least recently used first
         pool._sessions[session.request_id] = session
     resumes_s2 = SimpleNamespace(stream_id="s2", is_done=False)
@@ -549,8 +578,13 @@ class FakeSteps:
         from genlm_backend.llm.vllm.session_pool import PlanEntry, SessionPool
 
         self.namespace, self.entry_type = SimpleNamespace, PlanEntry
-        self.pool = SessionPool(lambda ids: None, capacity, park=lambda session: None,
-                                follow=lambda tag, target: None, unfollow=lambda tag: None)
+        self.pool = SessionPool(
+            lambda ids: None,
+            capacity,
+            park=lambda session: None,
+            follow=lambda tag, target: None,
+            unfollow=lambda tag: None,
+        )
         self.checker = PromptChecker(1000, None)
         self.tags = iter(range(1, 10**6))
 
@@ -570,16 +604,19 @@ class FakeSteps:
     def lockstep(self, contexts, num_steps, batch_size):
         for step in range(num_steps):
             for start in range(0, len(contexts), batch_size):
-                self.batch(contexts[start:start + batch_size])
+                self.batch(contexts[start : start + batch_size])
             contexts = [c + [step + 1] for c in contexts]
         return contexts
 
 
-@pytest.mark.parametrize("num_contexts, batch_size, warns", [
-    (4, 4, False),  # as many contexts as sessions, moving to new ones
-    (8, 8, True),  # more contexts than sessions in one batch
-    (8, 4, True),  # more contexts than sessions over two batches a step
-])
+@pytest.mark.parametrize(
+    "num_contexts, batch_size, warns",
+    [
+        (4, 4, False),  # as many contexts as sessions, moving to new ones
+        (8, 8, True),  # more contexts than sessions in one batch
+        (8, 4, True),  # more contexts than sessions over two batches a step
+    ],
+)
 def test_the_crowding_warning_counts_contexts_extended_at_once(num_contexts, batch_size, warns):
     steps = FakeSteps(capacity=4)
     contexts = [[i, 100 + i] for i in range(num_contexts)]
