@@ -97,7 +97,9 @@ def build_model(args: argparse.Namespace) -> Any:
 # ---- the workload ----------------------------------------------------------------------
 
 
-async def _particle(lm: AsyncTransformer, prompt: list[int], num_steps: int, draws: ParticleDraws) -> list[int]:
+async def _particle(
+    lm: AsyncTransformer, prompt: list[int], num_steps: int, draws: ParticleDraws
+) -> list[int]:
     context = list(prompt)
     for _ in range(num_steps):
         logprobs = await lm.next_token_logprobs(context)
@@ -106,20 +108,31 @@ async def _particle(lm: AsyncTransformer, prompt: list[int], num_steps: int, dra
 
 
 def run_w1(
-    lm: AsyncTransformer, prompt: list[int], num_particles: int, num_steps: int, seed: int,
+    lm: AsyncTransformer,
+    prompt: list[int],
+    num_particles: int,
+    num_steps: int,
+    seed: int,
     sampler: str = "cdf",
 ) -> list[list[int]]:
     lm.clear_kv_cache()
     draws = ParticleDraws(sampler, seed)
 
     async def main() -> list[list[int]]:
-        return await asyncio.gather(*(_particle(lm, prompt, num_steps, draws) for _ in range(num_particles)))
+        return await asyncio.gather(
+            *(_particle(lm, prompt, num_steps, draws) for _ in range(num_particles))
+        )
 
     return asyncio.run(main())
 
 
 def run_floor(
-    model: Any, prompt: list[int], num_particles: int, num_steps: int, seed: int, device: str,
+    model: Any,
+    prompt: list[int],
+    num_particles: int,
+    num_steps: int,
+    seed: int,
+    device: str,
     sampler: str = "cdf",
 ) -> list[list[int]]:
     from transformers import DynamicCache
@@ -180,8 +193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", choices=SAMPLERS, default="cdf",
-                        help="how particles and the floor draw tokens (see benchmarks.particles)")
+    parser.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default="cdf",
+        help="how particles and the floor draw tokens (see benchmarks.particles)",
+    )
     parser.add_argument(
         "--max-kv-cache-bytes",
         type=int,
@@ -271,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed)
     ).tolist()
     print(
-        f"model: {num_params / 1e6:.1f}M parameters, {args.dtype}, vocab {vocab}, on {args.device}; "
+        f"model: {num_params / 1e6:.1f}M parameters, {args.dtype}, vocab {vocab}, "
+        f"on {args.device}; "
         f"prompt {args.prompt_len} tokens, T={args.steps}"
     )
     rows = []

@@ -32,7 +32,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def start(args: argparse.Namespace, before_model: Callable[[], None] = lambda: None) -> tuple[Any, list[int]]:
+def start(
+    args: argparse.Namespace, before_model: Callable[[], None] = lambda: None
+) -> tuple[Any, list[int]]:
     """The backend with the default constructor, as the workload builds it, and the prompt.
     ``before_model`` runs first (wrappers installed then reach the backend's batchers)."""
     from genlm_backend.llm.vllm import AsyncVirtualLM
@@ -53,11 +55,15 @@ def run_floor(lm: Any, prompt: list[int], n: int, args: argparse.Namespace) -> N
     from vllm import SamplingParams, TokensPrompt
 
     lm.close_sessions()  # llm.generate would wait for the parked sessions
-    params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
+    params = SamplingParams(
+        max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False
+    )
     lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
 
 
-def kept_rows(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str) -> list[Any]:
+def kept_rows(
+    lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str
+) -> list[Any]:
     """Every step's rows of one seeded run of the workload, on the CPU (float32)."""
     import torch
 
@@ -74,8 +80,15 @@ def kept_rows(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, work
     return rows
 
 
-def row_difference(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str,
-                   switch: Callable[[str], None], modes: tuple[str, str]) -> float:
+def row_difference(
+    lm: Any,
+    prompt: list[int],
+    n: int,
+    args: argparse.Namespace,
+    workload: str,
+    switch: Callable[[str], None],
+    modes: tuple[str, str],
+) -> float:
     """After a warm-up run (the prompt's blocks then cached for both modes), one seeded run
     in each of ``modes`` from fresh sessions: the largest difference between their rows."""
     run_ours(lm, prompt, n, args, workload)
@@ -87,8 +100,15 @@ def row_difference(lm: Any, prompt: list[int], n: int, args: argparse.Namespace,
     return max((a - b).abs().max().item() for a, b in zip(*kept))
 
 
-def alternate(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str,
-              switch: Callable[[str], None], modes: tuple[str, str]) -> dict[str, list[float]]:
+def alternate(
+    lm: Any,
+    prompt: list[int],
+    n: int,
+    args: argparse.Namespace,
+    workload: str,
+    switch: Callable[[str], None],
+    modes: tuple[str, str],
+) -> dict[str, list[float]]:
     """Walls of ``args.repeats`` runs in each of ``modes``, run by run in turn (the order
     reversed every other repeat); ``switch(mode)`` before each run."""
     walls: dict[str, list[float]] = {mode: [] for mode in modes}
