@@ -125,10 +125,8 @@ def time_smc(smc: Any, args: argparse.Namespace) -> dict[int, dict]:
             if repeat:
                 walls[n].append(wall)
                 early[n] += ended > 0
-    return {
-        n: {"wall": summarise(walls[n]), "times": walls[n], "early_eos_runs": early[n]}
-        for n in args.particles
-    }
+    return {n: {"wall": summarise(walls[n]), "times": walls[n], "early_eos_runs": early[n]}
+            for n in args.particles}
 
 
 def profile_smc(role: str, smc: Any, lm: Any, n: int, args: argparse.Namespace) -> dict:
@@ -239,28 +237,17 @@ def sampled_run(run: Callable[[], float], py_spy: str, rate: int = 1000) -> dict
         frames[stack[-1]] = frames.get(stack[-1], 0.0) + seconds
     active = sum(totals.values()) or 1.0
     top = sorted(frames.items(), key=lambda kv: -kv[1])[:25]
-    return {
-        "wall_profiled_s": wall,
-        "rate": rate,
-        "active_s": round(active, 4),
-        "split_s": {k: round(v, 4) for k, v in totals.items()},
-        "share": {k: round(v / active, 3) for k, v in totals.items()},
-        "by_thread": threads,
-        "top": [f"{s:.4f}s {frame.replace(str(REPO), '.')}" for frame, s in top],
-    }
+    return {"wall_profiled_s": wall, "rate": rate, "active_s": round(active, 4),
+            "split_s": {k: round(v, 4) for k, v in totals.items()},
+            "share": {k: round(v / active, 3) for k, v in totals.items()}, "by_thread": threads,
+            "top": [f"{s:.4f}s {frame.replace(str(REPO), '.')}" for frame, s in top]}
 
 
 _WAITS = ("acquire", "poll", "select", "wait", "sleep", "'get' of '_queue", "join")
-_GROUPS = (
-    ("engine", ("/vllm/",)),
-    ("backend", ("/genlm_backend/", "/genlm/backend/")),
-    (
-        "consumer",
-        ("/genlm/control/", "/genlm/grammar/", "/genlm/bytes/", "/arsenal/", "bench_genlm_control"),
-    ),
-    ("asyncio", ("/asyncio/",)),
-    ("torch", ("/torch/",)),
-)
+_GROUPS = (("engine", ("/vllm/",)), ("backend", ("/genlm_backend/", "/genlm/backend/")),
+           ("consumer", ("/genlm/control/", "/genlm/grammar/", "/genlm/bytes/", "/arsenal/",
+                         "bench_genlm_control")),
+           ("asyncio", ("/asyncio/",)), ("torch", ("/torch/",)))
 GROUPS = ("engine", "backend", "asyncio", "consumer", "torch", "other", "waiting")
 
 
@@ -295,14 +282,10 @@ def split(profilers: list[cProfile.Profile]) -> dict:
         by_caller[where] += max(own - charged, 0.0)
     working = sum(v for k, v in by_caller.items() if k != "waiting") or 1.0
     top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
-    return {
-        "split_s": {k: round(v, 4) for k, v in by_caller.items()},
-        "share": {k: round(v / working, 3) for k, v in by_caller.items() if k != "waiting"},
-        "top": [
-            f"{own:.4f}s own {calls} calls {Path(f).name}:{line} {name}"
-            for (f, line, name), (calls, _, own, _, _) in top
-        ],
-    }
+    return {"split_s": {k: round(v, 4) for k, v in by_caller.items()},
+            "share": {k: round(v / working, 3) for k, v in by_caller.items() if k != "waiting"},
+            "top": [f"{own:.4f}s own {calls} calls {Path(f).name}:{line} {name}"
+                    for (f, line, name), (calls, _, own, _, _) in top]}
 
 
 def versions(role: str) -> dict[str, str]:
@@ -354,12 +337,8 @@ def serve(setup: str) -> None:
 
     potential = build(role, setup)
     smc = SMC(direct_token_sampler(potential))
-    out = {
-        "versions": versions(role),
-        "vocab": len(potential.vocab),
-        "times": time_smc(smc, args),
-        "profile": [profile_smc(role, smc, potential.model, n, args) for n in args.profile],
-    }
+    out = {"versions": versions(role), "vocab": len(potential.vocab), "times": time_smc(smc, args),
+           "profile": [profile_smc(role, smc, potential.model, n, args) for n in args.profile]}
     if hasattr(potential.model, "stats") and role == "ours":
         out["stats"] = potential.model.stats()
     report(out, default=str)
@@ -371,14 +350,8 @@ def in_child(
     role: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace
 ) -> dict:
     """Runs ``role`` alone in a child process; returns its result (JSON keys of N as ints)."""
-    setup = {
-        "role": role,
-        "model": str(model_dir),
-        "opts": engine_opts,
-        "prompt": prompt,
-        "consumer_site": str(Path(args.consumer_site).resolve()),
-        "argv": sys.argv[1:],
-    }
+    setup = {"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
+             "consumer_site": str(Path(args.consumer_site).resolve()), "argv": sys.argv[1:]}
     env = dict(os.environ)
     for key, value in (
         ("HF_HUB_OFFLINE", "1"),
@@ -486,11 +459,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--peer", default=None, help="a folder holding genlm-backend 0.3.1")
-    parser.add_argument(
-        "--consumer-site",
-        default=str(REPO / ".cache" / "w6site"),
-        help="a folder holding genlm-control 0.4.1 and its needs (pip --target)",
-    )
+    parser.add_argument("--consumer-site", default=str(REPO / ".cache" / "w6site"),
+                        help="a folder holding genlm-control 0.4.1 and its needs (pip --target)")
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="N")
     parser.add_argument(
         "--py-spy",

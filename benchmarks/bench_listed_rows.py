@@ -95,11 +95,8 @@ def main() -> None:
                 **summary,
             }
             row["ratio"] = row["ours_s"] / row["floor_s"]
-            print(
-                f"P={p}: ours {row['ours_s'] * 1e3:.1f} ms, floor {row['floor_s'] * 1e3:.1f} ms, "
-                f"ratio {row['ratio']:.2f}",
-                flush=True,
-            )
+            print(f"P={p}: ours {row['ours_s'] * 1e3:.1f} ms, floor {row['floor_s'] * 1e3:.1f} ms, "
+                  f"ratio {row['ratio']:.2f}", flush=True)
             results.append(row)
     finally:
         lm.cleanup()

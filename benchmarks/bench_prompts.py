@@ -87,10 +87,7 @@ def main() -> None:
     for name, values in times.items():
         summary = summarise(values)
         row[f"{name}_us"], row[f"{name}_us_min"], row[f"{name}_us_max"] = (
-            summary["median_s"],
-            summary["min_s"],
-            summary["max_s"],
-        )
+            summary["median_s"], summary["min_s"], summary["max_s"])
     row["ratio"] = statistics.median(c / f for c, f in zip(times["checker"], times["full"]))
     print(
         "microseconds a request (median over runs of the best step; "

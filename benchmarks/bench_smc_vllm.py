@@ -124,14 +124,9 @@ def time_backend(
             if repeat:  # the first round warms up
                 walls[n].append(wall)
                 samples[n].append(sampler.seconds)
-    return {
-        n: {
-            "wall": summarise(walls[n]),
-            "sample_s": sorted(samples[n])[len(samples[n]) // 2],
-            "wall_nosample": summarise([w - s for w, s in zip(walls[n], samples[n])]),
-        }
-        for n in args.particles
-    }
+    return {n: {"wall": summarise(walls[n]), "sample_s": sorted(samples[n])[len(samples[n]) // 2],
+                "wall_nosample": summarise([w - s for w, s in zip(walls[n], samples[n])])}
+            for n in args.particles}
 
 
 def time_floor(llm: Any, prompt: list[int], args: argparse.Namespace) -> dict[int, dict]:
@@ -306,12 +301,9 @@ def table(
             }
             if peer is not None:
                 p = peer[w][n]
-                row.update(
-                    peer_wall_s=p["wall"]["median_s"],
-                    peer_ratio=p["wall"]["median_s"] / f,
-                    peer_ratio_nosample=p["wall_nosample"]["median_s"] / f,
-                    speedup_vs_peer=p["wall"]["median_s"] / o["wall"]["median_s"],
-                )
+                row.update(peer_wall_s=p["wall"]["median_s"], peer_ratio=p["wall"]["median_s"] / f,
+                           peer_ratio_nosample=p["wall_nosample"]["median_s"] / f,
+                           speedup_vs_peer=p["wall"]["median_s"] / o["wall"]["median_s"])
             row["own_engine_floor_s"] = ours["own_engine_floor"][n]["median_s"]
             rows.append(row)
         tables[w] = rows
@@ -368,17 +360,9 @@ def main(argv: list[str] | None = None) -> dict:
     for p in ours["profile"]:
         print(f"\nprofile {p['workload']} N={p['N']} ({p['threads']} threads): {p['split']}")
         print("\n".join(p["top"][:15]))
-    payload = {
-        "config": {
-            **vars(args),
-            "model_dir": str(model_dir),
-            "engine_opts": engine_opts,
-            "floor_async_scheduling": floor["async_scheduling"][0],
-        },
-        "tables": tables,
-        "profile": ours["profile"],
-        "stats": ours["stats"],
-    }
+    payload = {"config": {**vars(args), "model_dir": str(model_dir), "engine_opts": engine_opts,
+                          "floor_async_scheduling": floor["async_scheduling"][0]},
+               "tables": tables, "profile": ours["profile"], "stats": ours["stats"]}
     name = args.name or f"smc_vllm_{'gpu' if args.gpu else 'cpu'}"
     print("wrote", write_json(name, payload, args.out_dir))
     return payload

@@ -108,11 +108,7 @@ async def _particle(
 
 
 def run_w1(
-    lm: AsyncTransformer,
-    prompt: list[int],
-    num_particles: int,
-    num_steps: int,
-    seed: int,
+    lm: AsyncTransformer, prompt: list[int], num_particles: int, num_steps: int, seed: int,
     sampler: str = "cdf",
 ) -> list[list[int]]:
     lm.clear_kv_cache()
@@ -127,12 +123,7 @@ def run_w1(
 
 
 def run_floor(
-    model: Any,
-    prompt: list[int],
-    num_particles: int,
-    num_steps: int,
-    seed: int,
-    device: str,
+    model: Any, prompt: list[int], num_particles: int, num_steps: int, seed: int, device: str,
     sampler: str = "cdf",
 ) -> list[list[int]]:
     from transformers import DynamicCache
@@ -193,12 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--sampler",
-        choices=SAMPLERS,
-        default="cdf",
-        help="how particles and the floor draw tokens (see benchmarks.particles)",
-    )
+    parser.add_argument("--sampler", choices=SAMPLERS, default="cdf",
+                        help="how particles and the floor draw tokens (see benchmarks.particles)")
     parser.add_argument(
         "--max-kv-cache-bytes",
         type=int,

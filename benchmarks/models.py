@@ -78,9 +78,8 @@ def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.
     return out
 
 
-def workload_model(
-    gpu: bool, model_dir: str | None = None, tokenizer_dir: Path | None = None, micro: bool = False
-) -> tuple[Path, dict[str, Any]]:
+def workload_model(gpu: bool, model_dir: str | None = None, tokenizer_dir: Path | None = None,
+                   micro: bool = False) -> tuple[Path, dict[str, Any]]:
     """The model folder (built if missing) and engine options of a configuration: the GPU
     one, the tiny CPU one, or the micro CPU one."""
     if gpu:

@@ -156,16 +156,11 @@ def test_threads_sharing_a_lock_run_one_task_at_a_time_and_a_hold_lets_it_go():
         time.sleep(0.05)
         second.submit(lambda: log.append("second ran during the hold")).result(timeout=5)
         plan = first.submit_hold_safe(
-            lambda: (log.append(("inline", lock.locked())), decided.append(1))
-        )
+            lambda: (log.append(("inline", lock.locked())), decided.append(1)))
         plan.result(timeout=5)
         first.submit(lambda: None).result(timeout=5)
-        assert log == [
-            ("locked before hold", True),
-            "second ran during the hold",
-            ("inline", True),
-            ("hold ended", True, True),
-        ]
+        assert log == [("locked before hold", True), "second ran during the hold", ("inline", True),
+                       ("hold ended", True, True)]
         assert not lock.locked()
     finally:
         first.shutdown(wait=True)

@@ -130,8 +130,7 @@ def expected_w1(results: Path) -> dict:
             points = {
                 int(r["N"]): (r, "floor_vllm_s" if is_number(r.get("floor_vllm_s")) else "floor_s")
                 for r in rows
-                if isinstance(r, dict)
-                and all(is_number(r.get(k)) for k in ("N", key))
+                if isinstance(r, dict) and all(is_number(r.get(k)) for k in ("N", key))
                 and (is_number(r.get("floor_s")) or is_number(r.get("floor_vllm_s")))
             }
             for n, (row, floor) in points.items():
@@ -172,11 +171,7 @@ def expected_smc(results: Path) -> dict:
                     ratio = r["wall_s"] / r["floor_s"]
                     assert ratio == pytest.approx(r["ratio"], rel=1e-9)  # the file's own ratio
                     expected[(path.stem, workload, int(r["N"]))] = (
-                        r["floor_s"],
-                        r["wall_s"],
-                        ratio,
-                        r["ratio_nosample"],
-                    )
+                        r["floor_s"], r["wall_s"], ratio, r["ratio_nosample"])
     return expected
 
 

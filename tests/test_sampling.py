@@ -98,13 +98,11 @@ async def test_rows_on_the_gpu_are_drawn_there():
 
 # ---- pre-drawn blocks: the rows of one model batch, views of one [k, V] tensor -------------
 
-BLOCK_PROBS = torch.tensor(
-    [
-        [0.5, 0.2, 0.15, 0.1, 0.05],
-        [0.05, 0.05, 0.1, 0.3, 0.5],
-        [0.2, 0.2, 0.2, 0.2, 0.2],
-    ]
-)
+BLOCK_PROBS = torch.tensor([
+    [0.5, 0.2, 0.15, 0.1, 0.05],
+    [0.05, 0.05, 0.1, 0.3, 0.5],
+    [0.2, 0.2, 0.2, 0.2, 0.2],
+])
 
 
 async def test_rows_of_a_block_are_drawn_at_once_and_follow_their_own_row():

@@ -80,15 +80,8 @@ def kept_rows(
     return rows
 
 
-def row_difference(
-    lm: Any,
-    prompt: list[int],
-    n: int,
-    args: argparse.Namespace,
-    workload: str,
-    switch: Callable[[str], None],
-    modes: tuple[str, str],
-) -> float:
+def row_difference(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str,
+                   switch: Callable[[str], None], modes: tuple[str, str]) -> float:
     """After a warm-up run (the prompt's blocks then cached for both modes), one seeded run
     in each of ``modes`` from fresh sessions: the largest difference between their rows."""
     run_ours(lm, prompt, n, args, workload)
@@ -100,15 +93,8 @@ def row_difference(
     return max((a - b).abs().max().item() for a, b in zip(*kept))
 
 
-def alternate(
-    lm: Any,
-    prompt: list[int],
-    n: int,
-    args: argparse.Namespace,
-    workload: str,
-    switch: Callable[[str], None],
-    modes: tuple[str, str],
-) -> dict[str, list[float]]:
+def alternate(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str,
+              switch: Callable[[str], None], modes: tuple[str, str]) -> dict[str, list[float]]:
     """Walls of ``args.repeats`` runs in each of ``modes``, run by run in turn (the order
     reversed every other repeat); ``switch(mode)`` before each run."""
     walls: dict[str, list[float]] = {mode: [] for mode in modes}

@@ -89,20 +89,13 @@ def main() -> None:
                             for g in range(3)
                         ]
                         row["passes_per_step"] = [
-                            round(sum(c.counts[g] for c in clocks) / steps, 2) for g in range(3)
-                        ]
+                            round(sum(c.counts[g] for c in clocks) / steps, 2) for g in range(3)]
                     rows.append(row)
-                    extra = (
-                        f"; collector {row['collector_ms_per_step']} ms a step (gen 0/1/2)"
-                        if setting == "default"
-                        else ""
-                    )
-                    print(
-                        f"{workload} N={n} {setting}: wall median {row['median_s'] * 1e3:.1f} ms "
-                        f"(min {row['min_s'] * 1e3:.1f} max {row['max_s'] * 1e3:.1f}), "
-                        f"{row['speedup']:.3f}x the default{extra}",
-                        flush=True,
-                    )
+                    extra = (f"; collector {row['collector_ms_per_step']} ms a step (gen 0/1/2)"
+                             if setting == "default" else "")
+                    print(f"{workload} N={n} {setting}: wall median {row['median_s'] * 1e3:.1f} ms "
+                          f"(min {row['min_s'] * 1e3:.1f} max {row['max_s'] * 1e3:.1f}), "
+                          f"{row['speedup']:.3f}x the default{extra}", flush=True)
     finally:
         lm.cleanup()
     write_rows(args, "collector", rows)

@@ -176,11 +176,8 @@ def check(llm: Any, ahead: ScheduleAhead, prompt: list[int], vocab: int) -> dict
     same = (fresh(context) - row).abs().max().item()
     wrong = (fresh(context[:-1] + [(context[-1] + 1) % vocab]) - row).abs().max().item()
     ahead.record = False
-    return {
-        "tokens_recorded_equal_drawn": recorded == drawn,
-        "row_max_abs_diff": same,
-        "row_max_abs_diff_wrong_last_token": wrong,
-    }
+    return {"tokens_recorded_equal_drawn": recorded == drawn, "row_max_abs_diff": same,
+            "row_max_abs_diff_wrong_last_token": wrong}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -220,14 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
         ahead.timing = False
         torch.cuda.synchronize()
         device_ms = [a.elapsed_time(b) for a, b in ahead.events]
-        result.setdefault("floor_device", []).append(
-            {
-                "N": n,
-                "steps": len(device_ms),
-                "step_ms": 1e3 * wall / len(device_ms),
-                "device_ms_median": statistics.median(device_ms),
-            }
-        )
+        result.setdefault("floor_device", []).append({
+            "N": n, "steps": len(device_ms), "step_ms": 1e3 * wall / len(device_ms),
+            "device_ms_median": statistics.median(device_ms)})
         print("floor", result["floor_device"][-1], flush=True)
     rows = []
     for n in args.particles:

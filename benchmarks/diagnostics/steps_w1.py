@@ -96,10 +96,8 @@ def main() -> None:
     install_engine(lm.llm.llm_engine)
     for workload in args.workloads:
         for n in args.particles:
-            for label, run in (
-                (workload, lambda n=n, w=workload: run_ours(lm, prompt, n, args, w)),
-                ("floor", lambda n=n: run_floor(lm, prompt, n, args)),
-            ):
+            for label, run in ((workload, lambda n=n, w=workload: run_ours(lm, prompt, n, args, w)),
+                               ("floor", lambda n=n: run_floor(lm, prompt, n, args))):
                 run()  # warm-up
                 TOTALS.clear()
                 start_s = time.perf_counter()

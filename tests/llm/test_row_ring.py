@@ -71,18 +71,8 @@ def _write_in_child(handle, start, rows):
     ring.slots(start, rows.shape[0]).copy_(rows.to(ring.rows.device))
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="a CUDA ring needs a GPU"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a CUDA ring needs a GPU"))])
 def test_rows_written_in_another_process_read_back_exactly(device):
     """The worker's side is the other way round (it makes the ring, this process maps it);
     a ring mapped from a handle and one made here are the same object either way."""

@@ -204,9 +204,7 @@ async def test_sampling_options(vlm):
     many = await vlm.sample(prompt, 4, [], n=3, seed=1)
     assert len(many) == 3 and all(len(s) == 4 for s in many)
     for options in (
-        {"top_p": 0.5},
-        {"min_p": 0.1},
-        {"repetition_penalty": 1.3},
+        {"top_p": 0.5}, {"min_p": 0.1}, {"repetition_penalty": 1.3},
         {"presence_penalty": 0.5, "frequency_penalty": 0.5},
     ):
         tokens = await vlm.sample(prompt, 4, [], seed=2, **options)
@@ -222,12 +220,8 @@ async def test_structured_output(vlm):
     eos = [vlm.tokenizer.eos_token_id]
     digits = await vlm.sample(prompt, 12, eos, regex="[0-9]{3}", seed=0)
     assert re.fullmatch("[0-9]{3}", vlm.tokenizer.decode(digits).strip())
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}},
-        "required": ["a"],
-        "additionalProperties": False,
-    }
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
     text = vlm.tokenizer.decode(await vlm.sample(prompt, 60, eos, json_schema=schema, seed=0))
     assert isinstance(json.loads(text)["a"], int)
 
@@ -307,12 +301,8 @@ async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_en
     assert len(await vlm.sample(prompts[0], 3, [], seed=0)) == 3
     vlm.close_sessions()
     out = await asyncio.wait_for(
-        asyncio.to_thread(
-            vlm.llm.generate,
-            [TokensPrompt(prompt_token_ids=[5, 6, 7])],
-            SamplingParams(max_tokens=2),
-            use_tqdm=False,
-        ),
+        asyncio.to_thread(vlm.llm.generate, [TokensPrompt(prompt_token_ids=[5, 6, 7])],
+                          SamplingParams(max_tokens=2), use_tqdm=False),
         timeout=120,
     )
     assert len(out[0].outputs[0].token_ids) == 2

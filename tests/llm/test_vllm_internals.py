@@ -166,12 +166,10 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
     tags = [sink.new_tag() for _ in range(3)]
     proc = vllm_capture.LogprobsCaptureProcessor(None, torch.device("cpu"), False)
     # rows 0, 2, 3 tagged; row 3 is a partial prefill (runner mask) or has an output token
-    added = [
-        (0, SamplingParams(extra_args=sink.extra_args(tags[0])), [1], []),
-        (1, SamplingParams(), [1], []),
-        (2, SamplingParams(extra_args=sink.extra_args(tags[1])), [1], []),
-        (3, SamplingParams(extra_args=sink.extra_args(tags[2])), [1], [] if mask else [9]),
-    ]
+    added = [(0, SamplingParams(extra_args=sink.extra_args(tags[0])), [1], []),
+             (1, SamplingParams(), [1], []),
+             (2, SamplingParams(extra_args=sink.extra_args(tags[1])), [1], []),
+             (3, SamplingParams(extra_args=sink.extra_args(tags[2])), [1], [] if mask else [9])]
     proc.update_state(BatchUpdate(4, removed=[], added=added, moved=[]))
     remote = remote_rows.RemoteRows(
         (lambda n: np.array([i == 3 for i in range(n)])) if mask else None
@@ -752,9 +750,7 @@ def test_step_hooks_see_each_output_before_the_scheduler_does():
     from genlm_backend.llm.vllm import internals
 
     assert list(inspect.signature(Scheduler.update_from_output).parameters)[1:3] == [
-        "scheduler_output",
-        "model_runner_output",
-    ]
+        "scheduler_output", "model_runner_output"]
     seen, calls = [], []
     scheduler = types.SimpleNamespace(
         update_from_output=lambda so, out: calls.append(out) or seen.append("update") or "done"

@@ -88,11 +88,8 @@ async def test_speculative_decoding_samples_and_lists_exact_rows(
         reference = await vllm_lm.sample(prompts[0], 12, [], temperature=0.0)
         assert await lm.sample(prompts[0], 12, [], temperature=0.0) == reference
         *rows, bad, short = await asyncio.gather(
-            *(lm.next_token_logprobs(p) for p in prompts),
-            lm.next_token_logprobs([5, 32000]),
-            lm.sample(prompts[0], 3, [], temperature=0.0),
-            return_exceptions=True,
-        )
+            *(lm.next_token_logprobs(p) for p in prompts), lm.next_token_logprobs([5, 32000]),
+            lm.sample(prompts[0], 3, [], temperature=0.0), return_exceptions=True)
         assert isinstance(bad, InvalidRequestError) and "32000" in str(bad)
         assert short == reference[:3]
         for prompt, row in zip(prompts, rows):
@@ -222,13 +219,8 @@ async def test_cleanup_during_a_lockstep_step_returns_at_once_and_shuts_the_engi
 
     lm = AsyncVirtualLM.from_name(
         str(tiny_model_dirs["base"]),
-        engine_opts={
-            "dtype": "float32",
-            "max_model_len": 512,
-            "max_num_seqs": 4,
-            "seed": 0,
-            **GPU_ENGINE_OPTS,
-        },
+        engine_opts={"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "seed": 0,
+                     **GPU_ENGINE_OPTS},
     )
     engine_thread = lm._engine_thread._thread
     core = lm.llm.llm_engine.engine_core

@@ -524,13 +524,8 @@ def test_a_held_session_that_cannot_be_parked_stays_closed():
     from genlm_backend.llm.vllm.session_pool import PlanEntry, SessionPool
 
     aborted = []
-    pool = SessionPool(
-        aborted.extend,
-        4,
-        park=lambda session: pool.close(session),
-        follow=lambda tag, target: None,
-        unfollow=lambda tag: None,
-    )
+    pool = SessionPool(aborted.extend, 4, park=lambda session: pool.close(session),
+                       follow=lambda tag, target: None, unfollow=lambda tag: None)
     checker = PromptChecker(100, None)
     first, other = checker.request([1, 2, 3], None), checker.request([7, 8, 9], None)
     (entry,) = pool.plan([first], None)
@@ -552,10 +547,8 @@ def test_free_parked_closes_the_least_recently_used_parked_sessions_a_batch_does
 
     aborted = []
     pool = SessionPool(aborted.extend, 8)
-    sessions = [
-        Session(f"s{i}", None, state=state)
-        for i, state in enumerate(["parked", "running", "parked", "parked", "parked"])
-    ]
+    sessions = [Session(f"s{i}", None, state=state) for i, state in
+                enumerate(["parked", "running", "parked", "parked", "parked"])]
     for session in sessions:  # least recently used first
         pool._sessions[session.request_id] = session
     resumes_s2 = SimpleNamespace(stream_id="s2", is_done=False)
@@ -578,13 +571,8 @@ class FakeSteps:
         from genlm_backend.llm.vllm.session_pool import PlanEntry, SessionPool
 
         self.namespace, self.entry_type = SimpleNamespace, PlanEntry
-        self.pool = SessionPool(
-            lambda ids: None,
-            capacity,
-            park=lambda session: None,
-            follow=lambda tag, target: None,
-            unfollow=lambda tag: None,
-        )
+        self.pool = SessionPool(lambda ids: None, capacity, park=lambda session: None,
+                                follow=lambda tag, target: None, unfollow=lambda tag: None)
         self.checker = PromptChecker(1000, None)
         self.tags = iter(range(1, 10**6))
 
@@ -604,7 +592,7 @@ class FakeSteps:
     def lockstep(self, contexts, num_steps, batch_size):
         for step in range(num_steps):
             for start in range(0, len(contexts), batch_size):
-                self.batch(contexts[start : start + batch_size])
+                self.batch(contexts[start:start + batch_size])
             contexts = [c + [step + 1] for c in contexts]
         return contexts
 

@@ -85,14 +85,13 @@ async def test_sessions_are_held_between_batches_across_processes(worker_lm, hf_
 async def test_sampling_beside_rows_in_one_batch(worker_lm, hf_reference):
     """Sampling requests carry no tag: they sample as usual while rows are captured."""
     prompt, other = prompts_of([7, 11], seed=73)
-    tokens, row = await asyncio.gather(
-        worker_lm.sample(prompt, 4, [], temperature=0.0), worker_lm.next_token_logprobs(other)
-    )
+    tokens, row = await asyncio.gather(worker_lm.sample(prompt, 4, [], temperature=0.0),
+                                       worker_lm.next_token_logprobs(other))
     assert_matches(row, hf_reference("base", other))
     greedy = list(prompt)
     for _ in range(4):  # the reference's greedy continuation, token by token
         greedy.append(int(hf_reference("base", greedy).argmax()))
-    assert tokens == greedy[len(prompt) :]
+    assert tokens == greedy[len(prompt):]
 
 
 async def test_seeded_prompts_split_over_steps_in_a_worker(worker_lm):
@@ -265,10 +264,8 @@ async def test_rows_travel_in_the_reply_where_there_is_no_ring(
             raise OSError("the worker's ring is on another host")
 
         monkeypatch.setattr(row_ring, "open_ring", unmappable)
-    lm = AsyncVirtualLM.from_name(
-        str(tiny_model_dirs["base"]),
-        engine_opts={**ENGINE_OPTS, "distributed_executor_backend": "mp"},
-    )
+    lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]),
+                                  engine_opts={**ENGINE_OPTS, "distributed_executor_backend": "mp"})
     try:
         assert lm._remote.ring is None and lm._holds
         sessions = await _lockstep_rows_match(lm, hf_reference, seed=77)
@@ -288,10 +285,8 @@ async def test_with_a_batch_queue_rows_come_with_the_step_output(
     from genlm_backend.llm.vllm.internals import remote
 
     monkeypatch.setattr(remote, "_one_step_at_a_time", lambda core: False)
-    lm = AsyncVirtualLM.from_name(
-        str(tiny_model_dirs["base"]),
-        engine_opts={**ENGINE_OPTS, "distributed_executor_backend": "mp"},
-    )
+    lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]), engine_opts={
+        **ENGINE_OPTS, "distributed_executor_backend": "mp"})
     try:
         assert lm._remote is not None and not lm._remote.early and not lm._holds
         sessions = await _lockstep_rows_match(lm, hf_reference, seed=78)

@@ -218,11 +218,8 @@ def lora_reference(hf_reference, second_adapter_dirs):
         if lora_name != "b":
             raise KeyError(lora_name)
         if not second:
-            second.append(
-                AutoModelForCausalLM.from_pretrained(
-                    str(second_adapter_dirs["merged"]), dtype=torch.float32
-                ).eval()
-            )
+            second.append(AutoModelForCausalLM.from_pretrained(
+                str(second_adapter_dirs["merged"]), dtype=torch.float32).eval())
         with torch.no_grad():
             logits = second[0](torch.tensor([list(token_ids)])).logits[0, -1]
         return torch.log_softmax(logits.float(), dim=-1)

@@ -45,9 +45,8 @@ def test_eos_as_an_int_a_list_an_array_or_a_tensor():
 def test_several_eos_ids_keep_the_models_own_eos():
     """The model stopped at 7, the template closes the message with 2: the model's 7 stays."""
     model = [11, 12, 220, 17, 7]
-    got = replace_prefix_tokens(
-        model, [11, 12, 1001, 2, 5], [11, 12, 1001, 2, 5, 21, 22], eos_token_ids=[2, 7]
-    )
+    got = replace_prefix_tokens(model, [11, 12, 1001, 2, 5], [11, 12, 1001, 2, 5, 21, 22],
+                                eos_token_ids=[2, 7])
     assert got == [11, 12, 220, 17, 7, 5, 21, 22]
 
 
@@ -80,13 +79,8 @@ def test_nothing_after_the_eos_gives_back_the_model_prefix():
         # the template does not close the message with the EOS
         ([11, 12, 220, 17, 2], [11, 12, 1001, 9], [11, 12, 1001, 9, 21], 2, "holds no EOS id"),
         # the prefixes are of different conversations: one turn more in the template's
-        (
-            [11, 220, 2],
-            [11, 1001, 2, 21, 1001, 2],
-            [11, 1001, 2, 21, 1001, 2, 5],
-            2,
-            "holds 1 EOS ids and template_prefix_token_ids 2",
-        ),
+        ([11, 220, 2], [11, 1001, 2, 21, 1001, 2], [11, 1001, 2, 21, 1001, 2, 5], 2,
+         "holds 1 EOS ids and template_prefix_token_ids 2"),
         ([11, 2, 220, 2], [11, 1001, 2], [11, 1001, 2, 5], 2, "holds 2 EOS ids"),
         # the whole conversation's template ids are shorter than the prefix's
         (MODEL_PREFIX, TEMPLATE_PREFIX, TEMPLATE_PREFIX[:-1], 2, "does not begin with"),
@@ -157,19 +151,12 @@ def test_turn_after_turn_every_answer_keeps_the_models_ids(conversation):
             nxt = template_ids(turns, k, header)
             model = replace_prefix_tokens(model, template_ids(turns, k), nxt, eos_token_ids=EOS)
         model += [*produced, EOS]
-    got = replace_prefix_tokens(
-        model,
-        template_ids(turns, len(turns)),
-        template_ids(turns, len(turns), last_header),
-        eos_token_ids=EOS,
-    )
+    got = replace_prefix_tokens(model, template_ids(turns, len(turns)),
+                                template_ids(turns, len(turns), last_header), eos_token_ids=EOS)
     # Built from the structure alone: headers and separators from the template, answers
     # from the model.
-    want = [
-        t
-        for i, (header, produced, _) in enumerate(turns)
-        for t in ((*header,) if i == 0 else (SEP, *header)) + (*produced, EOS)
-    ]
+    want = [t for i, (header, produced, _) in enumerate(turns)
+            for t in ((*header,) if i == 0 else (SEP, *header)) + (*produced, EOS)]
     assert got == [*want, SEP, *last_header]
 
 
@@ -202,7 +189,7 @@ def test_a_real_chat_template_round_trip():
 
     assert got[: len(prompt) + len(produced)] == prompt + produced
     assert template_prefix[-2:] == [eos, *tokenizer.encode("\n")]  # the cut: after the EOS
-    assert got[len(prompt) + len(produced) :] == template[len(template_prefix) - 1 :]
+    assert got[len(prompt) + len(produced):] == template[len(template_prefix) - 1:]
     assert len(got) == len(template) + 1  # one template id became two of the model's
     assert tokenizer.decode(got) == tokenizer.decode(template)
     assert tokenizer.decode(got).endswith("And of Germany?<|im_end|>\n<|im_start|>assistant\n")
