@@ -1,4 +1,5 @@
-"""``python -m benchmarks``: the whole benchmark suite, or some of its workloads (see ``suite.py``)."""
+"""``python -m benchmarks``: the whole benchmark suite, or some of its workloads (see
+``suite.py``)."""
 
 import sys
 

@@ -9,7 +9,8 @@ space and ``<0xXY>`` -> byte), the way byte vocabularies are commonly built. Tar
 
 Run from the repository root::
 
-    python -m benchmarks.bench_decode_vocab [--repeats 5] [--out DIR] [--family sentencepiece|tekken]
+    python -m benchmarks.bench_decode_vocab [--repeats 5] [--out DIR] \\
+        [--family sentencepiece|tekken]
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import measure, print_table, write_json  # noqa: E402
-from genlm_backend.tokenization import Token, decode_vocab  # noqa: E402
-from genlm_backend.tokenization._byte_level import CHAR_TO_BYTE  # noqa: E402
-from tests.real_tokenizers import load_tokenizer  # noqa: E402
+from benchmarks.common import measure, print_table, write_json
+from genlm_backend.tokenization import Token, decode_vocab
+from genlm_backend.tokenization._byte_level import CHAR_TO_BYTE
+from tests.real_tokenizers import load_tokenizer
 
 TARGET_S = 0.5
 WORKLOADS = [("sentencepiece", "SentencePiece BPE 32k"), ("tekken", "tekken byte-level 131k")]
@@ -56,8 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="results folder")
-    parser.add_argument("--family", choices=[f for f, _ in WORKLOADS], action="append", default=None,
-                        help="only this vocabulary (repeatable; default: both)")
+    parser.add_argument(
+        "--family",
+        choices=[f for f, _ in WORKLOADS],
+        action="append",
+        default=None,
+        help="only this vocabulary (repeatable; default: both)",
+    )
     args = parser.parse_args(argv)
 
     rows = []
@@ -89,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     largest = max((r for r in rows if r["method"] == "decode_vocab"), key=lambda r: r["size"])
     verdict = "meets" if largest["median_s"] < TARGET_S else "MISSES"
-    target = f"{verdict} the {TARGET_S} s target" if largest["size"] >= 131072 else "(the target is for 131k)"
+    target = (
+        f"{verdict} the {TARGET_S} s target"
+        if largest["size"] >= 131072
+        else "(the target is for 131k)"
+    )
     print(f"\n{largest['vocabulary']}: median {largest['median_s']:.3f} s, {target}")
     # other processes on a small machine stretch every time: record how busy it was
     load_1m = os.getloadavg()[0]

@@ -108,7 +108,9 @@ def run_smc(smc: Any, n: int, args: argparse.Namespace, seed: int) -> tuple[floa
     torch.manual_seed(seed)
     np.random.seed(seed)
     start = time.perf_counter()
-    sequences = asyncio.run(smc(n_particles=n, ess_threshold=args.ess_threshold, max_tokens=args.max_tokens))
+    sequences = asyncio.run(
+        smc(n_particles=n, ess_threshold=args.ess_threshold, max_tokens=args.max_tokens)
+    )
     wall = time.perf_counter() - start
     return wall, sum(len(c) < args.max_tokens for c in sequences.contexts)
 
@@ -139,7 +141,9 @@ def profile_floor(llm: Any, prompt: list[int], n: int, args: argparse.Namespace)
     """Profiled runs of the floor's ``llm.generate`` at ``n`` (its engine core in this thread)."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=1.0, detokenize=False)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, ignore_eos=True, temperature=1.0, detokenize=False
+    )
     prompts = [TokensPrompt(prompt_token_ids=prompt)] * n
 
     def run() -> float:
@@ -151,7 +155,9 @@ def profile_floor(llm: Any, prompt: list[int], n: int, args: argparse.Namespace)
     return profile("floor", n, run, None, args)
 
 
-def profile(role: str, n: int, run: Callable[[], float], engine_thread: Any, args: argparse.Namespace) -> dict:
+def profile(
+    role: str, n: int, run: Callable[[], float], engine_thread: Any, args: argparse.Namespace
+) -> dict:
     """One run under cProfile (``cprofile``) and one sampled by py-spy (``sampled``)."""
     out = {"config": role, "N": n, "cprofile": cprofile_run(run, engine_thread)}
     if args.py_spy:
@@ -170,7 +176,13 @@ def cprofile_run(run: Callable[[], float], engine_thread: Any) -> dict:
     profilers[0].disable()
     if per_thread:
         engine_thread.submit(profilers[1].disable).result()
-    threads = "all, interleaved" if sys.version_info >= (3, 12) else "loop and engine" if per_thread else "main"
+    threads = (
+        "all, interleaved"
+        if sys.version_info >= (3, 12)
+        else "loop and engine"
+        if per_thread
+        else "main"
+    )
     return {"wall_profiled_s": wall, "threads": threads, **split(profilers)}
 
 
@@ -182,9 +194,25 @@ def sampled_run(run: Callable[[], float], py_spy: str, rate: int = 1000) -> dict
 
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "samples.txt"
-        spy = subprocess.Popen([py_spy, "record", "--pid", str(os.getpid()), "--rate", str(rate), "--format", "raw",
-                                "--threads", "--full-filenames", "--nonblocking", "--output", str(raw)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        spy = subprocess.Popen(
+            [
+                py_spy,
+                "record",
+                "--pid",
+                str(os.getpid()),
+                "--rate",
+                str(rate),
+                "--format",
+                "raw",
+                "--threads",
+                "--full-filenames",
+                "--nonblocking",
+                "--output",
+                str(raw),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         time.sleep(1.0)  # attached
         wall = run()
         spy.send_signal(signal.SIGINT)
@@ -278,8 +306,11 @@ def versions(role: str) -> dict[str, str]:
         out["backend"] = f"genlm_backend {getattr(genlm_backend, '__version__', '?')} (this repo)"
     else:
         site = Path(genlm.backend.__file__).resolve().parents[2]
-        dists = [d.version for d in md.distributions(path=[str(site)]) if d.metadata["Name"] == "genlm_backend"
-                 or d.metadata["Name"] == "genlm-backend"]
+        dists = [
+            d.version
+            for d in md.distributions(path=[str(site)])
+            if d.metadata["Name"] == "genlm_backend" or d.metadata["Name"] == "genlm-backend"
+        ]
         out["backend"] = f"genlm-backend {dists[0] if dists else '?'} ({site})"
     return out
 
@@ -292,9 +323,13 @@ def serve(setup: str) -> None:
         from vllm import LLM
 
         llm = LLM(setup["model"], **setup["opts"])
-        floor_args = argparse.Namespace(steps=args.max_tokens, particles=args.particles, repeats=args.repeats)
-        out = {"times": time_floor(llm, setup["prompt"], floor_args),
-               "profile": [profile_floor(llm, setup["prompt"], n, args) for n in args.profile]}
+        floor_args = argparse.Namespace(
+            steps=args.max_tokens, particles=args.particles, repeats=args.repeats
+        )
+        out = {
+            "times": time_floor(llm, setup["prompt"], floor_args),
+            "profile": [profile_floor(llm, setup["prompt"], n, args) for n in args.profile],
+        }
         report(out)
         return
     load_consumer(role, setup["consumer_site"])
@@ -311,20 +346,28 @@ def serve(setup: str) -> None:
         potential.model.cleanup()
 
 
-def in_child(role: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace) -> dict:
+def in_child(
+    role: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace
+) -> dict:
     """Runs ``role`` alone in a child process; returns its result (JSON keys of N as ints)."""
     setup = {"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
              "consumer_site": str(Path(args.consumer_site).resolve()), "argv": sys.argv[1:]}
     env = dict(os.environ)
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"),
-                       ("TOKENIZERS_PARALLELISM", "false")):
+    for key, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+        ("VLLM_NO_USAGE_STATS", "1"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+    ):
         env.setdefault(key, value)
     if not args.gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if role == "floor":  # its engine core in that process, as the backends' are
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if role == "peer":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(args.peer).resolve()), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(args.peer).resolve()), env.get("PYTHONPATH")])
+        )
     print(f"--- {role}", flush=True)
     result = run_child(__file__, setup, env, f"the {role}'s process")
     result["times"] = {int(n): v for n, v in result["times"].items()}
@@ -360,30 +403,58 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     for n in args.particles:
         floor = results["floor"]["times"][n]
         ours = results["ours"]["times"][n]
-        row = {"N": n, "max_tokens": args.max_tokens, "floor_s": floor["median_s"], "floor_min_s": floor["min_s"],
-               "floor_max_s": floor["max_s"], "wall_s": ours["wall"]["median_s"], "wall_min_s": ours["wall"]["min_s"],
-               "wall_max_s": ours["wall"]["max_s"], "ratio": ours["wall"]["median_s"] / floor["median_s"],
-               "early_eos_runs": ours["early_eos_runs"]}
+        row = {
+            "N": n,
+            "max_tokens": args.max_tokens,
+            "floor_s": floor["median_s"],
+            "floor_min_s": floor["min_s"],
+            "floor_max_s": floor["max_s"],
+            "wall_s": ours["wall"]["median_s"],
+            "wall_min_s": ours["wall"]["min_s"],
+            "wall_max_s": ours["wall"]["max_s"],
+            "ratio": ours["wall"]["median_s"] / floor["median_s"],
+            "early_eos_runs": ours["early_eos_runs"],
+        }
         if "peer" in results:
             peer = results["peer"]["times"][n]
-            row.update(peer_wall_s=peer["wall"]["median_s"], peer_wall_min_s=peer["wall"]["min_s"],
-                       peer_wall_max_s=peer["wall"]["max_s"], peer_ratio=peer["wall"]["median_s"] / floor["median_s"],
-                       speedup_vs_peer=peer["wall"]["median_s"] / ours["wall"]["median_s"],
-                       peer_early_eos_runs=peer["early_eos_runs"])
+            row.update(
+                peer_wall_s=peer["wall"]["median_s"],
+                peer_wall_min_s=peer["wall"]["min_s"],
+                peer_wall_max_s=peer["wall"]["max_s"],
+                peer_ratio=peer["wall"]["median_s"] / floor["median_s"],
+                speedup_vs_peer=peer["wall"]["median_s"] / ours["wall"]["median_s"],
+                peer_early_eos_runs=peer["early_eos_runs"],
+            )
         rows.append(row)
     return rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA")
-    parser.add_argument("--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)")
-    parser.add_argument("--model-dir", default=None, help="where the random model is built (reused if present)")
-    parser.add_argument("--particles", type=int, nargs="+", default=None, help="default: 16 64 256 (GPU), 4 16 (CPU)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA"
+    )
+    parser.add_argument(
+        "--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)"
+    )
+    parser.add_argument(
+        "--model-dir", default=None, help="where the random model is built (reused if present)"
+    )
+    parser.add_argument(
+        "--particles",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default: 16 64 256 (GPU), 4 16 (CPU)",
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--ess-threshold", type=float, default=0.5)
-    parser.add_argument("--eos-token", default="</s>", help="EOS where the tokenizer names none (tekken: id 2)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="default: 128 on GPU, 32 on CPU (W1's)")
+    parser.add_argument(
+        "--eos-token", default="</s>", help="EOS where the tokenizer names none (tekken: id 2)"
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="default: 128 on GPU, 32 on CPU (W1's)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
@@ -391,9 +462,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--consumer-site", default=str(REPO / ".cache" / "w6site"),
                         help="a folder holding genlm-control 0.4.1 and its needs (pip --target)")
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="N")
-    parser.add_argument("--py-spy", default=None, help="py-spy for the sampled profile (default: the consumer "
-                        "site's bin/py-spy, else on PATH; 'none': cProfile alone)")
-    parser.add_argument("--name", default=None, help="result file name (default: genlm_control_<gpu|cpu>)")
+    parser.add_argument(
+        "--py-spy",
+        default=None,
+        help="py-spy for the sampled profile (default: the consumer "
+        "site's bin/py-spy, else on PATH; 'none': cProfile alone)",
+    )
+    parser.add_argument(
+        "--name", default=None, help="result file name (default: genlm_control_<gpu|cpu>)"
+    )
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -413,7 +490,10 @@ def main(argv: list[str] | None = None) -> dict:
         serve(args.serve)
         return {}
     if not (Path(args.consumer_site) / "genlm" / "control").is_dir():
-        sys.exit(f"no genlm-control under --consumer-site {args.consumer_site} (see benchmarks/README.md, W6)")
+        sys.exit(
+            f"no genlm-control under --consumer-site {args.consumer_site} "
+            "(see benchmarks/README.md, W6)"
+        )
     model_dir, engine_opts, prompt = workload(args)  # W1's model and prompt
     model_dir = with_eos(model_dir, args.eos_token)
     roles = [r for r in CONFIGS if r != "peer" or args.peer]
@@ -435,13 +515,24 @@ def main(argv: list[str] | None = None) -> dict:
         for kind in ("sampled", "cprofile"):
             if kind in p and "split_s" in p[kind]:
                 q = p[kind]
-                print(f"\nprofile {p['config']} N={p['N']} {kind} ({q['wall_profiled_s']:.3f} s): {q['split_s']}"
-                      f"\n  share: {q['share']}\n" + "\n".join(q["top"][:8]))
-    payload = {"config": {**vars(args), "model_dir": str(model_dir), "engine_opts": engine_opts},
-               "versions": {r: results[r]["versions"] for r in roles if r != "floor"},
-               "errors": errors, "tables": {"w6": rows}, "profile": profile, "stats": results["ours"].get("stats"),
-               "times": {r: {n: results[r]["times"][n].get("times", []) for n in args.particles} for r in roles
-                         if r != "floor"}}
+                print(
+                    f"\nprofile {p['config']} N={p['N']} {kind} "
+                    f"({q['wall_profiled_s']:.3f} s): {q['split_s']}"
+                    f"\n  share: {q['share']}\n" + "\n".join(q["top"][:8])
+                )
+    payload = {
+        "config": {**vars(args), "model_dir": str(model_dir), "engine_opts": engine_opts},
+        "versions": {r: results[r]["versions"] for r in roles if r != "floor"},
+        "errors": errors,
+        "tables": {"w6": rows},
+        "profile": profile,
+        "stats": results["ours"].get("stats"),
+        "times": {
+            r: {n: results[r]["times"][n].get("times", []) for n in args.particles}
+            for r in roles
+            if r != "floor"
+        },
+    }
     name = args.name or f"genlm_control_{'gpu' if args.gpu else 'cpu'}"
     print("wrote", write_json(name, payload, args.out_dir))
     return payload

@@ -19,12 +19,13 @@ computed) and its wait for a core (``max_runq_ms``, Linux: the machine's other l
 ``own_max_ms``/``own_p99_ms``, each beat's lateness less that wait (the loop's own work and
 its waits for the GIL); ``unwaited_max_ms``, the lateness less the longest wait for a core of
 any thread of the process in that beat (a lower bound of what the process itself caused: a
-GIL holder that waits for a core keeps the loop waiting); the most CPU the loop thread used in one beat (``loop_cpu_*``); the
-longest garbage collection (``max_gc_ms`` wall, ``max_gc_cpu_ms`` CPU, on any thread: it
-holds the GIL), the number of full ones, and the CPU time of one full collection run right
-after the soak (``full_gc_now_cpu_ms``: what the next one would block); and requests (of
-which ``cancelled`` and ``malformed``). Also printed: the loop's callbacks that used the most
-CPU, whatever the load (a task's step is named by where its coroutine resumed).
+GIL holder that waits for a core keeps the loop waiting); the most CPU the loop thread used in
+one beat (``loop_cpu_*``); the longest garbage collection (``max_gc_ms`` wall,
+``max_gc_cpu_ms`` CPU, on any thread: it holds the GIL), the number of full ones, and the CPU
+time of one full collection run right after the soak (``full_gc_now_cpu_ms``: what the next
+one would block); and requests (of which ``cancelled`` and ``malformed``). Also printed: the
+loop's callbacks that used the most CPU, whatever the load (a task's step is named by where its
+coroutine resumed).
 
 Finding what blocks: ``--cprofile`` prints CPU time by function, of the loop thread alone
 before Python 3.12 and of every thread from 3.12 (its cProfile follows all threads);
@@ -65,6 +66,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "llm")]
 
 from benchmarks.common import print_table, write_json
 from benchmarks.loop_probes import CallbackTimer, GCPauses, Heartbeat, StackSampler
+
 OPERATIONS = ("next_token_logprobs", "batch_next_token_logprobs", "sample")
 
 
@@ -281,9 +283,8 @@ def main() -> None:
         idle, _, _ = asyncio.run(
             soak(lm, clients=0, seconds=min(2.0, args.seconds), seed=args.seed, sampler_ms=None)
         )
-        rows.append(
-            {"repeat": "idle", **summarise_beats(idle), "requests": 0}
-        )  # the floor: no clients
+        # the floor: no clients
+        rows.append({"repeat": "idle", **summarise_beats(idle), "requests": 0})
         for repeat in range(args.repeats):
             lm.clear_cache()
             if profiler is not None:
@@ -317,7 +318,8 @@ def main() -> None:
                 stacks.update(sampler.counts)
             slowest = sorted([*slowest, *heart.callbacks.slowest], key=lambda r: -r[0])[:12]
             print(
-                f"repeat {repeat}: max {rows[-1]['max_ms']:.1f} ms, p99 {rows[-1]['p99_ms']:.2f} ms",
+                f"repeat {repeat}: max {rows[-1]['max_ms']:.1f} ms, "
+                f"p99 {rows[-1]['p99_ms']:.2f} ms",
                 file=sys.stderr,
             )
         stats = lm.stats()
@@ -368,7 +370,8 @@ def main() -> None:
     print_table([*rows, summary], columns)
     if stacks:
         print(
-            f"\nthreads while the heartbeat was > {args.profile_ms:g} ms late (samples, every 2 ms):"
+            f"\nthreads while the heartbeat was > {args.profile_ms:g} ms late "
+            "(samples, every 2 ms):"
         )
         for stack, n in stacks.most_common(16):
             print(f"{n:6d}  {stack}")

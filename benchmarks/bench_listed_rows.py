@@ -27,12 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import print_table, summarise, write_json  # noqa: E402
-from benchmarks.models import TINY_CONFIG, build_model  # noqa: E402
+from benchmarks.common import print_table, summarise, write_json
+from benchmarks.models import TINY_CONFIG, build_model
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 2,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
 
 
 def main() -> None:
@@ -52,7 +57,9 @@ def main() -> None:
     opts = {"dtype": "float32", "max_model_len": 512, "seed": 0}
     if args.mode == "spec":
         opts["speculative_config"] = NGRAM
-    lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=opts, sessions=False, batch_size=max(args.prompts))
+    lm = AsyncVirtualLM.from_name(
+        str(model_dir), engine_opts=opts, sessions=False, batch_size=max(args.prompts)
+    )
     llm, rng = lm.llm, random.Random(0)
     greedy = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
@@ -67,17 +74,26 @@ def main() -> None:
         for p in args.prompts:
             times: dict[str, list[float]] = {"ours": [], "floor": []}
             for repeat in range(args.repeats + 1):  # the first round warms up
-                for name in times:
+                for name, spent in times.items():
                     prompts = fresh(p)
                     start = time.perf_counter()
                     if name == "ours":
                         asyncio.run(rows(prompts))
                     else:
-                        llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], greedy, use_tqdm=False)
+                        llm.generate(
+                            [TokensPrompt(prompt_token_ids=q) for q in prompts],
+                            greedy,
+                            use_tqdm=False,
+                        )
                     if repeat:
-                        times[name].append(time.perf_counter() - start)
+                        spent.append(time.perf_counter() - start)
             summary = {name: summarise(t) for name, t in times.items()}
-            row = {"P": p, "ours_s": summary["ours"]["median_s"], "floor_s": summary["floor"]["median_s"], **summary}
+            row = {
+                "P": p,
+                "ours_s": summary["ours"]["median_s"],
+                "floor_s": summary["floor"]["median_s"],
+                **summary,
+            }
             row["ratio"] = row["ours_s"] / row["floor_s"]
             print(f"P={p}: ours {row['ours_s'] * 1e3:.1f} ms, floor {row['floor_s'] * 1e3:.1f} ms, "
                   f"ratio {row['ratio']:.2f}", flush=True)
@@ -86,8 +102,14 @@ def main() -> None:
         lm.cleanup()
     print(f"mode={args.mode}")
     print_table(results, ["P", "ours_s", "floor_s", "ratio"])
-    print("wrote", write_json(f"listed_rows_{args.mode}", {"config": {k: str(v) for k, v in vars(args).items()},
-                                                         "rows": results}, args.out_dir))
+    print(
+        "wrote",
+        write_json(
+            f"listed_rows_{args.mode}",
+            {"config": {k: str(v) for k, v in vars(args).items()}, "rows": results},
+            args.out_dir,
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ CPU (tiny random Llama of ``bench_w1_hf.py``, V=32000; ~1 minute)::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_memory.py [--backends hf vllm]
 
-GPU (HF: the 1.2B Llama of ``bench_w1_hf.py --device cuda``; vLLM: the 1.2B Llama of ``models.py``)::
+GPU (HF: the 1.2B Llama of ``bench_w1_hf.py --device cuda``; vLLM: the 1.2B Llama of
+``models.py``)::
 
     python benchmarks/bench_memory.py --gpu --backends hf vllm --tokenizer-dir .gpu_assets/tekken
 """
@@ -261,7 +262,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(
                     f"{backend} n={n}: "
                     + ", ".join(
-                        f"{m} {row[f'{m}_per_1000'] / 2**20:.1f} MiB/1000 ({row[f'{m}_ratio']:.3f}x)"
+                        f"{m} {row[f'{m}_per_1000'] / 2**20:.1f} MiB/1000 "
+                        f"({row[f'{m}_ratio']:.3f}x)"
                         for m in ("tensor", "rss", "cuda_held", "cuda_peak", "kv")
                         if f"{m}_per_1000" in row
                     ),
@@ -303,7 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.device = "cuda" if args.gpu else "cpu"
     if args.gpu and "vllm" in args.backends and args.tokenizer_dir is None:
         parser.error(
-            "--gpu with the vllm backend needs --tokenizer-dir (run benchmarks/prepare_gpu_assets.py)"
+            "--gpu with the vllm backend needs --tokenizer-dir "
+            "(run benchmarks/prepare_gpu_assets.py)"
         )
     return args
 

@@ -45,8 +45,13 @@ def full_check(contexts: list[list[int]]) -> Iterator[None]:
         yield
 
 
-def best_step_us(route: Callable[[list[list[int]]], Iterator[None]], rng: random.Random, particles: int,
-                 context: int, steps: int) -> float:
+def best_step_us(
+    route: Callable[[list[list[int]]], Iterator[None]],
+    rng: random.Random,
+    particles: int,
+    context: int,
+    steps: int,
+) -> float:
     """Microseconds a request in the fastest of ``steps`` lockstep steps of fresh contexts
     (the first requests, of the contexts as made, unmeasured)."""
     contexts = [[rng.randrange(1000, VOCAB) for _ in range(context)] for _ in range(particles)]
@@ -65,7 +70,9 @@ def best_step_us(route: Callable[[list[list[int]]], Iterator[None]], rng: random
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--particles", type=int, default=256)
-    parser.add_argument("--context", type=int, default=160, help="prompt length (W1 on the GPU: 128 + up to 32)")
+    parser.add_argument(
+        "--context", type=int, default=160, help="prompt length (W1 on the GPU: 128 + up to 32)"
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--out-dir", type=Path, default=None)
@@ -82,7 +89,10 @@ def main() -> None:
         row[f"{name}_us"], row[f"{name}_us_min"], row[f"{name}_us_max"] = (
             summary["median_s"], summary["min_s"], summary["max_s"])
     row["ratio"] = statistics.median(c / f for c, f in zip(times["checker"], times["full"]))
-    print("microseconds a request (median over runs of the best step; ratio: median of checker/full per run)")
+    print(
+        "microseconds a request (median over runs of the best step; "
+        "ratio: median of checker/full per run)"
+    )
     print_table([row], ["N", "context", "checker_us", "full_us", "ratio"])
     payload = {"config": vars(args), "rows": [row], "runs_us": times}
     print("wrote", write_json("prompt_checks", payload, args.out_dir))

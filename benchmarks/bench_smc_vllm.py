@@ -18,10 +18,10 @@ ignore_eos=True, temperature=1.0, detokenize=False))``: the same forward passes 
 own decode loop with vLLM's own defaults, its engine core in that process as ours is in
 this one (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for that child: vLLM's default core process
 adds its messaging to every step); ``own_engine_floor_s`` is the same loop on our
-engine (async scheduling off, the capture processor installed). **Peer** (``--peer DIR``): genlm-backend 0.3.1, the
-library programs were written for, installed in ``DIR`` (``pip install --no-deps --target
-DIR genlm_backend-0.3.1-*.whl``), run on the same workloads in a child process (it sets vLLM
-environment variables at import).
+engine (async scheduling off, the capture processor installed). **Peer** (``--peer DIR``):
+genlm-backend 0.3.1, the library programs were written for, installed in ``DIR`` (``pip
+install --no-deps --target DIR genlm_backend-0.3.1-*.whl``), run on the same workloads in a
+child process (it sets vLLM environment variables at import).
 
 Per configuration: one warm-up run, then ``--repeats`` runs, interleaved over N; medians
 with min/max. ``ratio`` = wall / floor; ``ratio_nosample`` = (wall - the user's own
@@ -56,10 +56,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for `benchmarks.common`
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import print_table, report, run_child, summarise, write_json  # noqa: E402
-from benchmarks.models import workload  # noqa: E402
+from benchmarks.common import print_table, report, run_child, summarise, write_json
+from benchmarks.models import workload
 
 WORKLOADS = ("w1", "w5")
 RESAMPLE_EVERY = 4
@@ -90,13 +90,17 @@ class UserSampler:
         contexts = [c + [tok] for c, tok in zip(contexts, tokens)]
         if self.workload == "w5" and (t + 1) % RESAMPLE_EVERY == 0:
             weights = [self.generator.random() for _ in contexts]
-            ancestors = self.generator.choices(range(len(contexts)), weights=weights, k=len(contexts))
+            ancestors = self.generator.choices(
+                range(len(contexts)), weights=weights, k=len(contexts)
+            )
             contexts = [list(contexts[a]) for a in ancestors]
         self.seconds += time.perf_counter() - start
         return contexts
 
 
-async def smc(lm: Any, prompt: list[int], n: int, steps: int, sampler: UserSampler) -> list[list[int]]:
+async def smc(
+    lm: Any, prompt: list[int], n: int, steps: int, sampler: UserSampler
+) -> list[list[int]]:
     contexts = [list(prompt) for _ in range(n)]
     for t in range(steps):
         rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
@@ -104,7 +108,9 @@ async def smc(lm: Any, prompt: list[int], n: int, steps: int, sampler: UserSampl
     return contexts
 
 
-def time_backend(lm: Any, prompt: list[int], args: argparse.Namespace, workload: str) -> dict[int, dict]:
+def time_backend(
+    lm: Any, prompt: list[int], args: argparse.Namespace, workload: str
+) -> dict[int, dict]:
     """Wall and user-sampling seconds of each N (warm-up, then repeats interleaved over N)."""
     walls: dict[int, list[float]] = {n: [] for n in args.particles}
     samples: dict[int, list[float]] = {n: [] for n in args.particles}
@@ -127,7 +133,9 @@ def time_floor(llm: Any, prompt: list[int], args: argparse.Namespace) -> dict[in
     """vLLM's own decode loop over the same forward passes on ``llm``."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
+    params = SamplingParams(
+        max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False
+    )
     times: dict[int, list[float]] = {n: [] for n in args.particles}
     for repeat in range(args.repeats + 1):
         for n in args.particles:
@@ -138,7 +146,9 @@ def time_floor(llm: Any, prompt: list[int], args: argparse.Namespace) -> dict[in
     return {n: summarise(times[n]) for n in args.particles}
 
 
-def profile_ours(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str) -> dict:
+def profile_ours(
+    lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str
+) -> dict:
     """One run at ``n`` under cProfile: own time by where the code lives. On Python 3.12+
     one profiler sees every thread (``sys.monitoring``); before, the loop's thread and the
     engine thread get one each."""
@@ -152,8 +162,14 @@ def profile_ours(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, w
     asyncio.run(smc(lm, prompt, n, args.steps, sampler))
     wall = time.perf_counter() - start
     loop_prof.disable()
-    out = {"N": n, "workload": workload, "wall_profiled_s": wall, "threads": "loop" if per_thread else "all",
-           "split": _split(loop_prof), "top": _top(loop_prof)}
+    out = {
+        "N": n,
+        "workload": workload,
+        "wall_profiled_s": wall,
+        "threads": "loop" if per_thread else "all",
+        "split": _split(loop_prof),
+        "top": _top(loop_prof),
+    }
     if per_thread:
         lm._engine_thread.submit(engine_prof.disable).result()
         out.update(engine_split=_split(engine_prof), engine_top=_top(engine_prof))
@@ -166,10 +182,15 @@ _WAITS = ("acquire", "poll", "select", "wait", "sleep")
 def _group(filename: str, name: str) -> str:
     if filename == "~" and any(w in name for w in _WAITS):
         return "waiting"
-    for key, name in (("/genlm_backend/", "genlm_backend"), ("/vllm/", "vllm"), ("/torch/", "torch"),
-                      ("asyncio", "asyncio"), ("bench_smc_vllm", "user program")):
+    for key, group in (
+        ("/genlm_backend/", "genlm_backend"),
+        ("/vllm/", "vllm"),
+        ("/torch/", "torch"),
+        ("asyncio", "asyncio"),
+        ("bench_smc_vllm", "user program"),
+    ):
         if key in filename:
-            return name
+            return group
     return "builtins and other"
 
 
@@ -183,30 +204,49 @@ def _split(prof: cProfile.Profile) -> dict[str, float]:
 
 def _top(prof: cProfile.Profile, k: int = 25) -> list[str]:
     rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:k]
-    return [f"{own:.4f}s own {calls} calls {Path(f).name}:{line} {name}" for (f, line, name), (calls, _, own, _, _)
-            in rows]
+    return [
+        f"{own:.4f}s own {calls} calls {Path(f).name}:{line} {name}"
+        for (f, line, name), (calls, _, own, _, _) in rows
+    ]
 
 
-def run_ours(model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace) -> dict:
+def run_ours(
+    model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace
+) -> dict:
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=engine_opts)
     try:
         out = {w: time_backend(lm, prompt, args, w) for w in args.workloads}
-        out["profile"] = [profile_ours(lm, prompt, n, args, w) for n in args.profile for w in args.workloads]
+        out["profile"] = [
+            profile_ours(lm, prompt, n, args, w) for n in args.profile for w in args.workloads
+        ]
         out["stats"] = lm.stats()
-        lm.close_sessions()  # vLLM's loop on our own engine (async scheduling off, the capture installed)
+        # vLLM's loop on our own engine (async scheduling off, the capture installed)
+        lm.close_sessions()
         out["own_engine_floor"] = time_floor(lm.llm, prompt, args)
     finally:
         lm.cleanup()
     return out
 
 
-def in_child(role: str, model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace,
-             path: str | None = None) -> dict:
+def in_child(
+    role: str,
+    model_dir: Path,
+    engine_opts: dict,
+    prompt: list[int],
+    args: argparse.Namespace,
+    path: str | None = None,
+) -> dict:
     """Runs ``role`` ("floor" or "peer") alone in a child process (one engine with CUDA graphs
     a process); ``path`` goes first on its module path."""
-    setup = {"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt, "argv": sys.argv[1:]}
+    setup = {
+        "role": role,
+        "model": str(model_dir),
+        "opts": engine_opts,
+        "prompt": prompt,
+        "argv": sys.argv[1:],
+    }
     env = dict(os.environ)
     if role == "floor":  # its engine core in that process, as ours is in this one
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -223,8 +263,13 @@ def serve(setup: str) -> None:
         from vllm import LLM
 
         llm = LLM(setup["model"], **setup["opts"])
-        async_scheduling = bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
-        out = {"floor": time_floor(llm, setup["prompt"], args), "async_scheduling": {0: async_scheduling}}
+        async_scheduling = bool(
+            getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False)
+        )
+        out = {
+            "floor": time_floor(llm, setup["prompt"], args),
+            "async_scheduling": {0: async_scheduling},
+        }
     else:
         from genlm.backend.llm import AsyncVirtualLM as PeerLM
 
@@ -234,16 +279,26 @@ def serve(setup: str) -> None:
     report(out)
 
 
-def table(floor: dict, ours: dict, peer: dict | None, args: argparse.Namespace) -> dict[str, list[dict]]:
+def table(
+    floor: dict, ours: dict, peer: dict | None, args: argparse.Namespace
+) -> dict[str, list[dict]]:
     tables = {}
     for w in args.workloads:
         rows = []
         for n in args.particles:
             f = floor["floor"][n]["median_s"]
             o = ours[w][n]
-            row = {"N": n, "T": args.steps, "floor_s": f, "wall_s": o["wall"]["median_s"],
-                   "wall_min_s": o["wall"]["min_s"], "wall_max_s": o["wall"]["max_s"], "sample_s": o["sample_s"],
-                   "ratio": o["wall"]["median_s"] / f, "ratio_nosample": o["wall_nosample"]["median_s"] / f}
+            row = {
+                "N": n,
+                "T": args.steps,
+                "floor_s": f,
+                "wall_s": o["wall"]["median_s"],
+                "wall_min_s": o["wall"]["min_s"],
+                "wall_max_s": o["wall"]["max_s"],
+                "sample_s": o["sample_s"],
+                "ratio": o["wall"]["median_s"] / f,
+                "ratio_nosample": o["wall_nosample"]["median_s"] / f,
+            }
             if peer is not None:
                 p = peer[w][n]
                 row.update(peer_wall_s=p["wall"]["median_s"], peer_ratio=p["wall"]["median_s"] / f,
@@ -257,19 +312,29 @@ def table(floor: dict, ours: dict, peer: dict | None, args: argparse.Namespace) 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA")
-    parser.add_argument("--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)")
-    parser.add_argument("--model-dir", default=None, help="where the random model is built (reused if present)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA"
+    )
+    parser.add_argument(
+        "--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)"
+    )
+    parser.add_argument(
+        "--model-dir", default=None, help="where the random model is built (reused if present)"
+    )
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--particles", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--steps", type=int, default=None, help="T (default: 32 on GPU, 8 on CPU)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="default: 128 on GPU, 32 on CPU")
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="default: 128 on GPU, 32 on CPU"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--peer", default=None, help="a folder holding genlm-backend 0.3.1 (GPU)")
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="N")
-    parser.add_argument("--name", default=None, help="result file name (default: smc_vllm_<gpu|cpu>)")
+    parser.add_argument(
+        "--name", default=None, help="result file name (default: smc_vllm_<gpu|cpu>)"
+    )
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -284,7 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
         serve(args.serve)
         return {}
     model_dir, engine_opts, prompt = workload(args)
-    floor = in_child("floor", model_dir, engine_opts, prompt, args)  # each engine alone on the machine
+    # each engine alone on the machine
+    floor = in_child("floor", model_dir, engine_opts, prompt, args)
     ours = run_ours(model_dir, engine_opts, prompt, args)
     peer = in_child("peer", model_dir, engine_opts, prompt, args, args.peer) if args.peer else None
     tables = table(floor, ours, peer, args)

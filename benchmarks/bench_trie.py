@@ -11,7 +11,8 @@ Every workload is seeded, warmed up once and repeated; the table gives the media
 and max, the target where the issue sets one, and the ratio against a floor measured in the
 same run: allocating and writing an output of the same shape (``[B, num_nodes]`` float32; on
 the CPU with numpy, in a huge-page-advised buffer like the tries' own), the least any
-implementation must do. Load on a shared machine shows up in the floor too. GPU timings synchronize before the clock stops.
+implementation must do. Load on a shared machine shows up in the floor too. GPU timings
+synchronize before the clock stops.
 
 Targets (2-core CPU; GPU: H100): construction < 1 s for 131k; sequential ``weight_sum``
 <= 2 ms for 131k; parallel CPU B=64 <= 30 ms for 131k; GPU B=64, V=131k <= 1 ms.

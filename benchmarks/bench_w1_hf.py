@@ -97,7 +97,9 @@ def build_model(args: argparse.Namespace) -> Any:
 # ---- the workload ----------------------------------------------------------------------
 
 
-async def _particle(lm: AsyncTransformer, prompt: list[int], num_steps: int, draws: ParticleDraws) -> list[int]:
+async def _particle(
+    lm: AsyncTransformer, prompt: list[int], num_steps: int, draws: ParticleDraws
+) -> list[int]:
     context = list(prompt)
     for _ in range(num_steps):
         logprobs = await lm.next_token_logprobs(context)
@@ -113,7 +115,9 @@ def run_w1(
     draws = ParticleDraws(sampler, seed)
 
     async def main() -> list[list[int]]:
-        return await asyncio.gather(*(_particle(lm, prompt, num_steps, draws) for _ in range(num_particles)))
+        return await asyncio.gather(
+            *(_particle(lm, prompt, num_steps, draws) for _ in range(num_particles))
+        )
 
     return asyncio.run(main())
 
@@ -271,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed)
     ).tolist()
     print(
-        f"model: {num_params / 1e6:.1f}M parameters, {args.dtype}, vocab {vocab}, on {args.device}; "
+        f"model: {num_params / 1e6:.1f}M parameters, {args.dtype}, vocab {vocab}, "
+        f"on {args.device}; "
         f"prompt {args.prompt_len} tokens, T={args.steps}"
     )
     rows = []

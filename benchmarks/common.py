@@ -91,8 +91,13 @@ def run_child(script: str, setup: dict[str, Any], env: dict[str, str], what: str
     Raises:
         RuntimeError: the child printed no result (``what`` names it), with its stderr's tail.
     """
-    child = subprocess.run([sys.executable, script, "--serve", json.dumps(setup)], capture_output=True, text=True,
-                           env=env, check=False)
+    child = subprocess.run(
+        [sys.executable, script, "--serve", json.dumps(setup)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     for line in child.stdout.splitlines():
         if line.startswith(RESULT_MARK):
             return json.loads(line.removeprefix(RESULT_MARK))

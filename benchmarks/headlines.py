@@ -123,7 +123,8 @@ def _smc_lines(tables: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             nosample = r["ratio_nosample"] * floor
             out.append(_line(f"{case} less sampling", nosample, floor, "s", "lower", None, None))
             if "peer_wall_s" in r:
-                out.append(_line(f"{case} 0.3.1", r["peer_wall_s"], floor, "s", "lower", None, None))
+                peer = r["peer_wall_s"]
+                out.append(_line(f"{case} 0.3.1", peer, floor, "s", "lower", None, None))
     return out
 
 

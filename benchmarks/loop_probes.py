@@ -16,7 +16,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 BEAT_S = 0.001
 
@@ -123,7 +126,7 @@ class CallbackTimer:
         self.num_callbacks = 0
         self._run = asyncio.events.Handle._run
 
-    def __enter__(self) -> CallbackTimer:
+    def __enter__(self) -> Self:
         timer, run = self, self._run
 
         def timed_run(handle: asyncio.Handle) -> None:
@@ -137,7 +140,7 @@ class CallbackTimer:
         asyncio.events.Handle._run = timed_run
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         asyncio.events.Handle._run = self._run
 
     def record(self, handle: asyncio.Handle, cpu_s: float, wall_s: float, where: str) -> None:

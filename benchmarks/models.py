@@ -31,12 +31,17 @@ MICRO_CONFIG = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads"
                 "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 256}
 
 # The engine options of the workloads of record (``bench_smc_vllm.py``), by configuration.
-GPU_ENGINE_OPTS = {"gpu_memory_utilization": 0.6, "max_model_len": 2048, "enable_prefix_caching": True}
+GPU_ENGINE_OPTS = {
+    "gpu_memory_utilization": 0.6,
+    "max_model_len": 2048,
+    "enable_prefix_caching": True,
+}
 CPU_ENGINE_OPTS = {"max_model_len": 512, "dtype": "float32", "enable_prefix_caching": True}
 
 
 def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.dtype) -> Path:
-    """Saves a random-weight Llama with ``arch`` and the tokenizer into ``out`` (reused if there)."""
+    """Saves a random-weight Llama with ``arch`` and the tokenizer into ``out`` (reused if
+    there)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if (out / "config.json").exists():
@@ -48,14 +53,22 @@ def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.
         import mistral_common
         from transformers import LlamaTokenizer
 
-        shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", out / "tokenizer.model")
+        shutil.copy(
+            Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1",
+            out / "tokenizer.model",
+        )
         tokenizer = LlamaTokenizer.from_pretrained(str(out))
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.save_pretrained(str(out))
-    config = LlamaConfig(**{"vocab_size": len(tokenizer), **arch}, max_position_embeddings=4096,
-                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, torch_dtype=str(dtype).removeprefix("torch."))
+    config = LlamaConfig(
+        **{"vocab_size": len(tokenizer), **arch},
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -70,10 +83,16 @@ def workload_model(gpu: bool, model_dir: str | None = None, tokenizer_dir: Path 
     """The model folder (built if missing) and engine options of a configuration: the GPU
     one, the tiny CPU one, or the micro CPU one."""
     if gpu:
-        folder = build_model(Path(model_dir or "/tmp/w1_llama_1b"), tokenizer_dir, GPU_CONFIG, torch.bfloat16)
+        folder = build_model(
+            Path(model_dir or "/tmp/w1_llama_1b"), tokenizer_dir, GPU_CONFIG, torch.bfloat16
+        )
         return folder, dict(GPU_ENGINE_OPTS)
-    arch, default = (MICRO_CONFIG, "/tmp/w1_micro_llama") if micro else (TINY_CONFIG, "/tmp/w1_tiny_llama")
-    return build_model(Path(model_dir or default), tokenizer_dir, arch, torch.float32), dict(CPU_ENGINE_OPTS)
+    arch, default = (
+        (MICRO_CONFIG, "/tmp/w1_micro_llama") if micro else (TINY_CONFIG, "/tmp/w1_tiny_llama")
+    )
+    return build_model(Path(model_dir or default), tokenizer_dir, arch, torch.float32), dict(
+        CPU_ENGINE_OPTS
+    )
 
 
 def parse_opts(items: list[str]) -> dict[str, Any]:
@@ -92,7 +111,9 @@ def vocab_size(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
 
-def workload(args: argparse.Namespace, micro: bool = False) -> tuple[Path, dict[str, Any], list[int]]:
+def workload(
+    args: argparse.Namespace, micro: bool = False
+) -> tuple[Path, dict[str, Any], list[int]]:
     """What a W1-shaped script runs on, from its flags (``gpu``, ``model_dir``,
     ``tokenizer_dir``, ``engine_opt``, ``seed``, ``prompt_len``): the model folder, the
     engine options with ``--engine-opt`` applied, and W1's prompt (seeded random ids above
@@ -100,4 +121,8 @@ def workload(args: argparse.Namespace, micro: bool = False) -> tuple[Path, dict[
     model_dir, opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir, micro=micro)
     opts.update(parse_opts(args.engine_opt))
     rng, vocab = random.Random(args.seed), vocab_size(model_dir)
-    return model_dir, opts, [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)]
+    return (
+        model_dir,
+        opts,
+        [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(args.prompt_len)],
+    )

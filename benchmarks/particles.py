@@ -33,9 +33,12 @@ class ParticleDraws:
         self.generator: torch.Generator | None = None
         if sampler == "predraw":
             sampler, predraw = "batched", True
-        self.token_sampler = TokenSampler(seed=seed, predraw=predraw) if sampler == "batched" else None
+        self.token_sampler = (
+            TokenSampler(seed=seed, predraw=predraw) if sampler == "batched" else None
+        )
         if self.token_sampler is not None:
-            self.draw = self.token_sampler.sample  # what a particle would call: no wrapper coroutine
+            # what a particle would call: no wrapper coroutine
+            self.draw = self.token_sampler.sample
 
     async def draw(self, row: torch.Tensor) -> int:
         if self.token_sampler is not None:
@@ -45,7 +48,9 @@ class ParticleDraws:
         return int(sample_rows(row, self.generator, self.sampler))
 
 
-def sample_rows(logprobs: torch.Tensor, generator: torch.Generator, sampler: str = "cdf") -> torch.Tensor:
+def sample_rows(
+    logprobs: torch.Tensor, generator: torch.Generator, sampler: str = "cdf"
+) -> torch.Tensor:
     """One token id per row of ``logprobs`` (``[V]`` or ``[N, V]``), drawn on their device;
     shape ``[1]`` or ``[N, 1]``."""
     if sampler in ("race", "batched", "predraw"):
@@ -59,7 +64,9 @@ def sample_rows(logprobs: torch.Tensor, generator: torch.Generator, sampler: str
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
 
 
-def time_draws(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int, sampler: str) -> float:
+def time_draws(
+    rows: torch.Tensor, num_particles: int, num_steps: int, seed: int, sampler: str
+) -> float:
     """Seconds for N*T one-row draws as W1's particles make them (each ending in a host
     sync; with ``batched``, T batches of N awaited draws), on the stored ``rows [R, V]``
     (R >= N: particles sharing a row would draw it twice, which the pre-drawing sampler
@@ -77,7 +84,9 @@ def time_draws(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int
     return time.perf_counter() - start
 
 
-def _time_batched_draws(rows: torch.Tensor, num_particles: int, num_steps: int, seed: int, sampler: str) -> float:
+def _time_batched_draws(
+    rows: torch.Tensor, num_particles: int, num_steps: int, seed: int, sampler: str
+) -> float:
     draws = ParticleDraws(sampler, seed)
     picked = [rows[i % rows.shape[0]] for i in range(num_particles)]
 

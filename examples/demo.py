@@ -23,11 +23,11 @@ import time
 # an engine starts) would bury the result. Set VLLM_LOGGING_LEVEL=INFO to see them.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-import torch  # noqa: E402
+import torch
 
-from genlm_backend import load_model_by_name  # noqa: E402
-from genlm_backend.llm.default_model import default_model_dir  # noqa: E402
-from genlm_backend.llm.loading import is_vllm_usable  # noqa: E402
+from genlm_backend import load_model_by_name
+from genlm_backend.llm.default_model import default_model_dir
+from genlm_backend.llm.loading import is_vllm_usable
 
 PROMPT = "Write one sentence about the sea."
 
@@ -39,7 +39,9 @@ def letter_e_counts(byte_vocab: list[bytes], size: int) -> torch.Tensor:
     return counts
 
 
-async def particle(lm, prompt: list[int], steps: int, eos: set[int], penalty: torch.Tensor, seed: int, progress):
+async def particle(
+    lm, prompt: list[int], steps: int, eos: set[int], penalty: torch.Tensor, seed: int, progress
+):
     """One particle: returns (sampled token ids, log-weight)."""
     generator = torch.Generator().manual_seed(seed)
     context, sampled, log_weight = list(prompt), [], 0.0
@@ -64,11 +66,18 @@ async def run_sis(lm, prompt, steps, eos, penalty, num_particles, batched: bool)
         def tick(step):
             done[i] = step + 1
             total = sum(done)
-            print(f"\r  {'batched' if batched else 'one at a time'}: {total} particle-steps", end="", file=sys.stderr)
+            print(
+                f"\r  {'batched' if batched else 'one at a time'}: {total} particle-steps",
+                end="",
+                file=sys.stderr,
+            )
 
         return tick
 
-    jobs = [particle(lm, prompt, steps, eos, penalty, seed=i, progress=progress_of(i)) for i in range(num_particles)]
+    jobs = [
+        particle(lm, prompt, steps, eos, penalty, seed=i, progress=progress_of(i))
+        for i in range(num_particles)
+    ]
     start = time.perf_counter()
     if batched:
         results = await asyncio.gather(*jobs)
@@ -90,7 +99,12 @@ class ticking:
 
         def tick() -> None:
             while not self.done.wait(1.0):
-                print(f"\r{self.what}: {time.perf_counter() - start:.0f} s", end="", file=sys.stderr, flush=True)
+                print(
+                    f"\r{self.what}: {time.perf_counter() - start:.0f} s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         print(f"{self.what}...", end="", file=sys.stderr, flush=True)
         self.thread = threading.Thread(target=tick, daemon=True)
@@ -103,7 +117,9 @@ class ticking:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", choices=["vllm", "hf", "mock"], default=None)
     parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--steps", type=int, default=16)
@@ -114,7 +130,10 @@ def main() -> None:
     opts = {}
     if args.backend == "vllm" or (args.backend is None and is_vllm_usable()):
         opts = {"engine_opts": {"max_model_len": 512, "dtype": "float32"}}
-    with ticking("Loading SmolLM2-135M-Instruct (embedded, offline; vLLM compiles its kernels the first time)"):
+    with ticking(
+        "Loading SmolLM2-135M-Instruct "
+        "(embedded, offline; vLLM compiles its kernels the first time)"
+    ):
         lm = load_model_by_name(model_dir, backend=args.backend, llm_opts=opts or None)
     print(f"Backend: {type(lm).__name__}", file=sys.stderr)
     tokenizer = lm.tokenizer
@@ -126,7 +145,9 @@ def main() -> None:
     penalty = args.penalty * letter_e_counts(lm.byte_vocab, lm.vocab_size)
 
     async def both():
-        batched, t_batched = await run_sis(lm, prompt, args.steps, eos, penalty, args.particles, True)
+        batched, t_batched = await run_sis(
+            lm, prompt, args.steps, eos, penalty, args.particles, True
+        )
         stats = lm.stats()
         lm.clear_cache()
         _, t_single = await run_sis(lm, prompt, args.steps, eos, penalty, args.particles, False)
@@ -135,7 +156,9 @@ def main() -> None:
     results, t_batched, t_single, stats = asyncio.run(both())
     log_weights = torch.tensor([w for _, w in results])
     weights = torch.softmax(log_weights, 0)
-    print(f"\nPrompt: {PROMPT!r}   target: the model, penalised {args.penalty} nats per letter 'e'\n")
+    print(
+        f"\nPrompt: {PROMPT!r}   target: the model, penalised {args.penalty} nats per letter 'e'\n"
+    )
     for (tokens, _), weight in sorted(zip(results, weights.tolist()), key=lambda r: -r[1]):
         print(f"  w={weight:6.3f}  {tokenizer.decode(tokens)!r}")
     ess = 1.0 / float((weights**2).sum())
@@ -144,7 +167,10 @@ def main() -> None:
     print(f"  auto-batched (concurrent awaits): {t_batched:6.2f} s")
     print(f"  one request at a time:            {t_single:6.2f} s")
     print(f"  speed-up from batching:           {t_single / t_batched:6.2f}x")
-    print(f"  batched run: {stats['num_batches']} engine batches, mean size {stats['mean_batch_size']:.2f}")
+    print(
+        f"  batched run: {stats['num_batches']} engine batches, "
+        f"mean size {stats['mean_batch_size']:.2f}"
+    )
     lm.cleanup()
 
 

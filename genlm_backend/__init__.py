@@ -33,7 +33,7 @@ _EXPORTS = {
     "AsyncTokenCharacterTrie": ".trie",
 }
 
-__all__ = [*_EXPORTS, "install_genlm_alias"]
+__all__ = [*_EXPORTS, "install_genlm_alias"]  # noqa: PLE0604 - _EXPORTS's keys are strings
 
 
 def __getattr__(name: str) -> Any:

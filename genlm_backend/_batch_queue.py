@@ -47,7 +47,9 @@ _FLUSH_PROBES: set[asyncio.Handle] = set()  # batchers' probes (each may start a
 _WAKE_PROBES: set[asyncio.Handle] = set()  # call_when_idle's probes
 
 
-def _other_work_ready(loop: asyncio.AbstractEventLoop, flushes_are_work: bool = False) -> bool | None:
+def _other_work_ready(
+    loop: asyncio.AbstractEventLoop, flushes_are_work: bool = False
+) -> bool | None:
     """Whether callbacks other than idle probes are ready to run on ``loop`` (with
     ``flushes_are_work``, other than ``call_when_idle``'s); None where the loop does not show
     its ready queue (CPython's loops do; uvloop does not)."""
@@ -59,7 +61,9 @@ def _other_work_ready(loop: asyncio.AbstractEventLoop, flushes_are_work: bool = 
     return any(handle not in _FLUSH_PROBES and handle not in _WAKE_PROBES for handle in ready)
 
 
-def call_when_idle(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any], max_wait: float) -> None:
+def call_when_idle(
+    loop: asyncio.AbstractEventLoop, callback: Callable[[], Any], max_wait: float
+) -> None:
     """Calls ``callback()`` on ``loop`` (from its thread) once nothing else is ready to run
     there but idle probes, and after the batches that batchers start at that moment (and
     what their results make ready); or after ``max_wait`` seconds of a loop that never
@@ -124,7 +128,11 @@ class LoopQueue:
         pending = self.pending
         pending[key] = _Entry(key, time.perf_counter(), [fut])
         # A batch is already due (timer and idle probe set) unless this one fills it.
-        if self.timer is None or self.idle_probe is None or len(pending) >= self.batcher.max_batch_size:
+        if (
+            self.timer is None
+            or self.idle_probe is None
+            or len(pending) >= self.batcher.max_batch_size
+        ):
             self.schedule()
         return fut
 
@@ -230,7 +238,8 @@ class LoopQueue:
         stats.num_evaluated += len(batch)
         try:
             self._run(batch, keys)
-        except BaseException as exc:  # evaluate or the hand-off raised: this batch fails, the queue goes on
+        except BaseException as exc:
+            # evaluate or the hand-off raised: this batch fails, the queue goes on
             self.finish(batch, None, exc, 0.0)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

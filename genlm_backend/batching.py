@@ -239,7 +239,9 @@ class Batcher(Generic[K, R]):
         if self.is_closed:
             return
         self.is_closed = True
-        self._for_each_queue(lambda q: q.fail_everything(lambda: ClosedError(f"{self.name} was closed")))
+        self._for_each_queue(
+            lambda q: q.fail_everything(lambda: ClosedError(f"{self.name} was closed"))
+        )
         self._queues.clear()
         if self._owns_executor and isinstance(self._executor, concurrent.futures.Executor):
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -251,7 +253,7 @@ class Batcher(Generic[K, R]):
             else:
                 done = threading.Event()
 
-                def run(queue=queue):
+                def run(queue=queue, done=done):
                     try:
                         action(queue)
                     finally:

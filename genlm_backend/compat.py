@@ -42,7 +42,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 - importlib API
+    def find_spec(self, fullname, path=None, target=None):
         if fullname == "genlm":
             if _has_real_genlm():
                 return None
@@ -54,7 +54,9 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
             if importlib.util.find_spec(real) is None:
                 return None
             is_package = importlib.util.find_spec(real).submodule_search_locations is not None
-            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real), is_package=is_package)
+            return importlib.machinery.ModuleSpec(
+                fullname, _AliasLoader(real), is_package=is_package
+            )
         return None
 
 

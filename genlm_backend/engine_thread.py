@@ -51,7 +51,7 @@ class TurnLock:
 
     __enter__ = acquire
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
     def pass_turn(self, timeout: float = 0.05) -> None:
@@ -109,7 +109,9 @@ class EngineThread(concurrent.futures.Executor):
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         return self._put(_Task(fn, args, kwargs, False), front=False)
 
-    def submit_hold_safe(self, fn: Callable, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    def submit_hold_safe(
+        self, fn: Callable, /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future:
         """Submits a call that may also run inline while the thread holds (see :meth:`hold`):
         it must not step the engine."""
         return self._put(_Task(fn, args, kwargs, True), front=False)

@@ -47,7 +47,8 @@ class _Block:
 
     def __init__(self, ref: weakref.ref, base: torch.Tensor, tokens: list[int]):
         self.base, self.version = ref, base._version
-        self.offset, self.stride, self.row_shape = base.storage_offset(), base.stride(0), base.shape[1:]
+        self.offset = base.storage_offset()
+        self.stride, self.row_shape = base.stride(0), base.shape[1:]
         self.tokens: list[int | None] = list(tokens)
         self.left = len(tokens)
 
@@ -116,9 +117,16 @@ class TokenSampler:
         if block is None or block.base() is not base or block.version != base._version:
             if not (self.predraw or (self.predraw is None and base.device.type != "cpu")):
                 return None
-            if base.dim() != 2 or base.stride(1) != 1 or not base.is_floating_point() or base.shape[1] == 0:
+            if (
+                base.dim() != 2
+                or base.stride(1) != 1
+                or not base.is_floating_point()
+                or base.shape[1] == 0
+            ):
                 return None
-            if row.shape != base.shape[1:] or (row.storage_offset() - base.storage_offset()) % base.stride(0):
+            if row.shape != base.shape[1:] or (
+                row.storage_offset() - base.storage_offset()
+            ) % base.stride(0):
                 return None  # not a whole row of the block: nothing to draw the block for
             try:
                 tokens = self._draw_rows(base)
@@ -126,7 +134,12 @@ class TokenSampler:
                 return None
             block = self._remember_block(key, base, tokens)
         index, rest = divmod(row.storage_offset() - block.offset, block.stride)
-        if rest or not 0 <= index < len(block.tokens) or row.shape != block.row_shape or not row.is_contiguous():
+        if (
+            rest
+            or not 0 <= index < len(block.tokens)
+            or row.shape != block.row_shape
+            or not row.is_contiguous()
+        ):
             return None
         token = block.tokens[index]
         if token is not None:
@@ -173,7 +186,9 @@ class TokenSampler:
             try:
                 tokens = self._draw_rows(rows)
             except ValueError as exc:  # an all -inf row: find it, draw the others
-                tokens = [self._draw_one(draws[i].row) for i in members] if len(members) > 1 else [exc]
+                tokens = (
+                    [self._draw_one(draws[i].row) for i in members] if len(members) > 1 else [exc]
+                )
             for i, token in zip(members, tokens):
                 results[i] = token
         return results
@@ -209,7 +224,9 @@ class TokenSampler:
 
 def _check_row(logprobs: Any) -> torch.Tensor:
     if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 1 or logprobs.numel() == 0:
-        raise ValueError(f"expected a non-empty 1-D tensor of log-probabilities, got {logprobs!r:.80}")
+        raise ValueError(
+            f"expected a non-empty 1-D tensor of log-probabilities, got {logprobs!r:.80}"
+        )
     if not logprobs.is_floating_point():
         raise ValueError(f"log-probabilities must be floating point, got {logprobs.dtype}")
     return logprobs

@@ -48,5 +48,8 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     loop = _background_loop()
     if threading.current_thread() is _thread:
         coro.close()
-        raise RuntimeError("a *_sync method was called from inside an async evaluation; await the async method instead")
+        raise RuntimeError(
+            "a *_sync method was called from inside an async evaluation; "
+            "await the async method instead"
+        )
     return asyncio.run_coroutine_threadsafe(coro, loop).result()

@@ -1,4 +1,5 @@
-"""Every route by which a batch ends, broken on purpose: its awaiters get an error, the queue goes on.
+"""Every route by which a batch ends, broken on purpose: its awaiters get an error, the queue
+goes on.
 
 A batch ends through a worker thread's job, an ``async def`` task, a loop future, or an
 ``evaluate`` run on the loop itself. Each test breaks one of them (a cancelled job, an

@@ -19,7 +19,9 @@ from genlm_backend.exceptions import ClosedError, EngineError, RequestDroppedErr
 class Recorder:
     """An evaluate function that records its batches and returns key * 10 as a tensor."""
 
-    def __init__(self, *, delay: float = 0.0, fail_batches: set[int] = frozenset(), bad_keys=frozenset()):
+    def __init__(
+        self, *, delay: float = 0.0, fail_batches: set[int] = frozenset(), bad_keys=frozenset()
+    ):
         self.batches: list[list] = []
         self.delay = delay
         self.fail_batches = set(fail_batches)
@@ -34,7 +36,10 @@ class Recorder:
             time.sleep(self.delay)
         if index in self.fail_batches:
             raise OSError(f"injected failure in batch {index}")
-        return [ValueError(f"bad key {k}") if k in self.bad_keys else torch.tensor([k * 10.0]) for k in keys]
+        return [
+            ValueError(f"bad key {k}") if k in self.bad_keys else torch.tensor([k * 10.0])
+            for k in keys
+        ]
 
 
 async def test_concurrent_submits_form_one_batch():
@@ -77,7 +82,7 @@ async def test_full_batch_runs_at_once_and_never_exceeds_the_limit():
     await asyncio.gather(*(batcher.submit(k) for k in range(9)))
     assert time.perf_counter() - start < 5.0  # three full batches, no 30 s timer
     assert [len(b) for b in rec.batches] == [3, 3, 3]
-    assert sorted(sum(rec.batches, [])) == list(range(9))
+    assert sorted(k for b in rec.batches for k in b) == list(range(9))
     batcher.close()
 
 
@@ -171,7 +176,9 @@ async def test_two_idle_batchers_do_not_hold_each_other_back():
 
 async def test_an_exception_returned_for_one_key_fails_only_its_awaiters():
     batcher = Batcher(Recorder(bad_keys={2}), timeout=10.0)
-    results = await asyncio.gather(*(batcher.submit(k) for k in (1, 2, 2, 3)), return_exceptions=True)
+    results = await asyncio.gather(
+        *(batcher.submit(k) for k in (1, 2, 2, 3)), return_exceptions=True
+    )
     assert float(results[0]) == 10.0 and float(results[3]) == 30.0
     assert all(isinstance(r, ValueError) for r in results[1:3])
     assert results[1] is not results[2]
@@ -301,7 +308,9 @@ def test_waiters_of_a_closed_loop_are_failed_not_left_pending():
     task = loop.create_task(batcher.submit(1))
     loop.run_until_complete(asyncio.sleep(0.01))  # queued, waiting for its 0.5 s timer
     loop.close()  # closed without cancelling the task
-    queue_futures = [w for q in batcher._queues.values() for e in q.pending.values() for w in e.waiters]
+    queue_futures = [
+        w for q in batcher._queues.values() for e in q.pending.values() for w in e.waiters
+    ]
     assert queue_futures and not any(f.done() for f in queue_futures)
     assert float(asyncio.run(_gather(batcher, [2]))[0]) == 20.0  # a new loop works...
     assert all(f.done() for f in queue_futures)  # ...and the old loop's waiters were failed
@@ -330,7 +339,11 @@ def test_a_batch_that_ends_after_its_loop_closed_counts_as_failed_only_if_it_fai
     asyncio.run(submit_and_leave())  # cancels the waiter and closes the loop
     release.set()
     deadline = time.monotonic() + 5
-    while batcher.stats.evaluate_s == 0 and batcher.stats.num_failed_batches == 0 and time.monotonic() < deadline:
+    while (
+        batcher.stats.evaluate_s == 0
+        and batcher.stats.num_failed_batches == 0
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     assert batcher.stats.num_batches == 1
     assert batcher.stats.num_failed_batches == int(fails)
@@ -346,7 +359,11 @@ async def test_async_evaluate_is_awaited_on_the_loop():
         return [k + 1 for k in keys]
 
     batcher = Batcher(evaluate, timeout=10.0)
-    assert await asyncio.gather(batcher.submit(1), batcher.submit(2), batcher.submit(1)) == [2, 3, 2]
+    assert await asyncio.gather(batcher.submit(1), batcher.submit(2), batcher.submit(1)) == [
+        2,
+        3,
+        2,
+    ]
     assert seen == [[1, 2]]
     batcher.close()
 
@@ -409,7 +426,9 @@ def test_every_awaiter_resolves_exactly_once_and_correctly(
             await asyncio.sleep(0)
             return rec(keys)
 
-    batcher = Batcher(evaluate, max_batch_size=max_batch_size, timeout=0.005, flush=flush, executor=executor)
+    batcher = Batcher(
+        evaluate, max_batch_size=max_batch_size, timeout=0.005, flush=flush, executor=executor
+    )
 
     async def one(key, delay):
         for _ in range(delay):
@@ -426,7 +445,7 @@ def test_every_awaiter_resolves_exactly_once_and_correctly(
                 if c == step:
                     tasks[i].cancel()
             await asyncio.sleep(0)
-        done, pending = await asyncio.wait(tasks, timeout=10.0)
+        _, pending = await asyncio.wait(tasks, timeout=10.0)
         assert not pending, "an awaiter was left hanging"
         return tasks
 

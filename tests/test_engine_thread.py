@@ -21,7 +21,10 @@ def engine_thread():
 
 def test_calls_run_in_submission_order_on_one_thread(engine_thread):
     seen = []
-    futures = [engine_thread.submit(lambda i=i: seen.append((i, threading.current_thread().name))) for i in range(200)]
+    futures = [
+        engine_thread.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
+        for i in range(200)
+    ]
     for future in futures:
         future.result(timeout=10)
     assert [i for i, _ in seen] == list(range(200))
@@ -51,7 +54,9 @@ def test_a_hold_runs_hold_safe_calls_inline_until_done(engine_thread):
     engine_thread.submit(step)
     time.sleep(0.05)
     engine_thread.submit_hold_safe(lambda: log.append("not yet")).result(timeout=10)
-    engine_thread.submit_hold_safe(lambda: (log.append("plan"), decided.append(1))).result(timeout=10)
+    engine_thread.submit_hold_safe(lambda: (log.append("plan"), decided.append(1))).result(
+        timeout=10
+    )
     engine_thread.submit(lambda: None).result(timeout=10)
     assert log == ["not yet", "plan", ("hold ended", True)]
 
@@ -64,7 +69,9 @@ def test_other_work_or_the_timeout_ends_a_hold(engine_thread):
     engine_thread.submit(lambda: results.append("other work")).result(timeout=10)
     assert results == [False, "other work"] and time.monotonic() - start < 5
     start = time.monotonic()
-    engine_thread.submit(lambda: results.append(engine_thread.hold(lambda: False, timeout=0.1))).result(timeout=10)
+    engine_thread.submit(
+        lambda: results.append(engine_thread.hold(lambda: False, timeout=0.1))
+    ).result(timeout=10)
     assert results[-1] is False and 0.09 < time.monotonic() - start < 5
 
 
@@ -100,7 +107,9 @@ def test_a_submit_racing_a_shutdown_is_run_or_cancelled_never_left_pending():
     """A shutdown that lands between a submit's closed check and its enqueue must still see
     the task: the worker may not exit and leave it pending forever."""
     thread = EngineThread()
-    shutting = threading.Thread(target=thread.shutdown, kwargs={"wait": True, "cancel_futures": True})
+    shutting = threading.Thread(
+        target=thread.shutdown, kwargs={"wait": True, "cancel_futures": True}
+    )
 
     class ShutdownDuringAppend(collections.deque):
         def append(self, task):
@@ -166,6 +175,7 @@ def test_the_last_task_runs_once_on_the_thread_after_the_call_in_flight():
     running = thread.submit(lambda: (started.set(), gate.wait(10), calls.append("running")))
     assert started.wait(10)
     queued = thread.submit(calls.append, "queued")
+
     def last():
         calls.append(("last", threading.current_thread().name))
 

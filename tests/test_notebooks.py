@@ -123,7 +123,9 @@ def expected_w1(results: Path) -> dict:
             rows = json.loads(path.read_text())["rows"]
         except (ValueError, KeyError, TypeError):
             continue
-        for key, variant, suffix in (("wall_s", "default", ""), ("wall_s_nosess", "sessions off", "_nosess")):
+        for key, variant, suffix in (
+            ("wall_s", "default", ""), ("wall_s_nosess", "sessions off", "_nosess")
+        ):
             # The floor of record where the file has it: vLLM's own defaults on a plain engine.
             points = {
                 int(r["N"]): (r, "floor_vllm_s" if is_number(r.get("floor_vllm_s")) else "floor_s")

@@ -51,7 +51,10 @@ async def test_unnormalised_rows_and_rows_of_several_lengths_share_a_batch():
 
 
 async def test_same_seed_same_tokens():
-    rows = [torch.randn(50, generator=torch.Generator().manual_seed(i)).log_softmax(-1) for i in range(30)]
+    rows = [
+        torch.randn(50, generator=torch.Generator().manual_seed(i)).log_softmax(-1)
+        for i in range(30)
+    ]
 
     async def draw_all(seed):
         sampler = TokenSampler(seed=seed)
@@ -78,7 +81,9 @@ async def test_a_bad_row_fails_only_its_caller():
 def test_sample_now_draws_from_the_row():
     sampler = TokenSampler(seed=4)
     probs = torch.tensor([0.1, 0.6, 0.3])
-    counts = torch.bincount(torch.tensor([sampler.sample_now(probs.log()) for _ in range(6000)]), minlength=3)
+    counts = torch.bincount(
+        torch.tensor([sampler.sample_now(probs.log()) for _ in range(6000)]), minlength=3
+    )
     assert chi_square(counts.float(), probs) < 18.42  # df 2
 
 
@@ -129,7 +134,8 @@ async def test_a_block_changed_in_place_is_drawn_from_as_it_is_now():
         block = BLOCK_PROBS.log().clone()
         rows = block.unbind(0)
         first = await sampler.sample(rows[0])  # draws the block as it is
-        rows[1][:4] = float("-inf")  # a constraint applied in place after that: only token 4 is left
+        # a constraint applied in place after that: only token 4 is left
+        rows[1][:4] = float("-inf")
         assert await sampler.sample(rows[1]) == 4
         assert first in range(5)
 
@@ -146,7 +152,9 @@ async def test_views_that_are_not_whole_rows_are_drawn_on_their_own():
 
 async def test_an_all_inf_row_in_a_block_fails_only_its_caller():
     sampler = TokenSampler(seed=10, predraw=True)
-    block = torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")], [float("-inf"), 0.0]])
+    block = torch.tensor(
+        [[0.0, float("-inf")], [float("-inf"), float("-inf")], [float("-inf"), 0.0]]
+    )
     rows = block.unbind(0)
     results = await asyncio.gather(*(sampler.sample(r) for r in rows), return_exceptions=True)
     assert results[0] == 0 and results[2] == 1

@@ -99,7 +99,7 @@ def test_the_genlm_backend_alias_works_without_vllm(tmp_path):
         """
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-        timeout=300, env=os.environ.copy(),
+        timeout=300, env=os.environ.copy(), check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok", "False"]

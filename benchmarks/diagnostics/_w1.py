@@ -32,7 +32,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def start(args: argparse.Namespace, before_model: Callable[[], None] = lambda: None) -> tuple[Any, list[int]]:
+def start(
+    args: argparse.Namespace, before_model: Callable[[], None] = lambda: None
+) -> tuple[Any, list[int]]:
     """The backend with the default constructor, as the workload builds it, and the prompt.
     ``before_model`` runs first (wrappers installed then reach the backend's batchers)."""
     from genlm_backend.llm.vllm import AsyncVirtualLM
@@ -53,11 +55,15 @@ def run_floor(lm: Any, prompt: list[int], n: int, args: argparse.Namespace) -> N
     from vllm import SamplingParams, TokensPrompt
 
     lm.close_sessions()  # llm.generate would wait for the parked sessions
-    params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
+    params = SamplingParams(
+        max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False
+    )
     lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
 
 
-def kept_rows(lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str) -> list[Any]:
+def kept_rows(
+    lm: Any, prompt: list[int], n: int, args: argparse.Namespace, workload: str
+) -> list[Any]:
     """Every step's rows of one seeded run of the workload, on the CPU (float32)."""
     import torch
 

@@ -63,8 +63,9 @@ class Change:
             # "off": the scheduler's calls as they were before steady steps wrapped them
             # (monkeypatched here: nothing in the package switches them back)
             scheduler.schedule = steady.schedule if default else steady._general_schedule
-            scheduler.update_from_output = (steady.update_from_output if default
-                                            else steady._general_update)
+            scheduler.update_from_output = (
+                steady.update_from_output if default else steady._general_update
+            )
         elif self.name == "call":
             AsyncLM.next_token_logprobs = AS_IS if default else as_future
         else:
@@ -87,22 +88,38 @@ def main() -> None:
     try:
         for workload in args.workloads:
             for n in args.particles:
-                max_diff = row_difference(lm, prompt, n, args, workload, change.switch, change.modes)
+                max_diff = row_difference(
+                    lm, prompt, n, args, workload, change.switch, change.modes
+                )
                 before = change.counts()
                 walls = alternate(lm, prompt, n, args, workload, change.switch, change.modes)
                 num_steady, num_general = (a - b for a, b in zip(change.counts(), before))
                 change.switch(default)
                 base = statistics.median(walls[other])
                 for mode in change.modes:
-                    row = {"workload": workload, "N": n, "T": args.steps, "change": change.name, "mode": mode,
-                           **summarise(walls[mode]), f"speedup_vs_{other}": base / statistics.median(walls[mode]),
-                           "max_row_diff": max_diff,
-                           "steady_steps_share": round(num_steady / max(num_steady + num_general, 1), 3)}
+                    row = {
+                        "workload": workload,
+                        "N": n,
+                        "T": args.steps,
+                        "change": change.name,
+                        "mode": mode,
+                        **summarise(walls[mode]),
+                        f"speedup_vs_{other}": base / statistics.median(walls[mode]),
+                        "max_row_diff": max_diff,
+                        "steady_steps_share": round(
+                            num_steady / max(num_steady + num_general, 1), 3
+                        ),
+                    }
                     results.append(row)
-                    print(f"{workload} N={n} {change.name} {mode}: wall median {row['median_s'] * 1e3:.1f} ms "
-                          f"(min {row['min_s'] * 1e3:.1f} max {row['max_s'] * 1e3:.1f}), "
-                          f"{row[f'speedup_vs_{other}']:.3f}x {other}; rows differ by {max_diff:.3g}; "
-                          f"steady steps {row['steady_steps_share']:.0%}", flush=True)
+                    print(
+                        f"{workload} N={n} {change.name} {mode}: "
+                        f"wall median {row['median_s'] * 1e3:.1f} ms "
+                        f"(min {row['min_s'] * 1e3:.1f} max {row['max_s'] * 1e3:.1f}), "
+                        f"{row[f'speedup_vs_{other}']:.3f}x {other}; "
+                        f"rows differ by {max_diff:.3g}; "
+                        f"steady steps {row['steady_steps_share']:.0%}",
+                        flush=True,
+                    )
     finally:
         change.switch(default)
         lm.cleanup()

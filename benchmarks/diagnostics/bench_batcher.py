@@ -38,8 +38,12 @@ async def lockstep(batcher: Batcher, num_particles: int, num_steps: int) -> None
     await asyncio.gather(*(particle(i) for i in range(num_particles)))
 
 
-def run_once(flush: str, num_particles: int, num_steps: int, batch_size: int, batch_s: float, row_s: float) -> float:
-    batcher = Batcher(make_engine(batch_s, row_s), max_batch_size=batch_size, timeout=0.02, flush=flush)
+def run_once(
+    flush: str, num_particles: int, num_steps: int, batch_size: int, batch_s: float, row_s: float
+) -> float:
+    batcher = Batcher(
+        make_engine(batch_s, row_s), max_batch_size=batch_size, timeout=0.02, flush=flush
+    )
     start = time.perf_counter()
     asyncio.run(lockstep(batcher, num_particles, num_steps))
     elapsed = time.perf_counter() - start
@@ -80,8 +84,13 @@ def main() -> None:
                         "ratio": stats["median_s"] / floor,
                     }
                 )
-                print(f"N={num_particles} batch_size={batch_size} {flush}: {stats['median_s']:.3f} s", file=sys.stderr)
-    print_table(rows, ["N", "batch_size", "flush", "median_s", "min_s", "max_s", "floor_s", "ratio"])
+                print(
+                    f"N={num_particles} batch_size={batch_size} {flush}: {stats['median_s']:.3f} s",
+                    file=sys.stderr,
+                )
+    print_table(
+        rows, ["N", "batch_size", "flush", "median_s", "min_s", "max_s", "floor_s", "ratio"]
+    )
     path = write_json(
         "batcher_flush",
         {"steps": args.steps, "batch_ms": args.batch_ms, "row_ms": args.row_ms, "rows": rows},

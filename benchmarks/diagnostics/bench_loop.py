@@ -20,7 +20,8 @@ answers each batch, as vLLM's own step does to the caches between two turns of t
 the H100 host the loop's code ran ~4x slower inside W1 than in isolation). ``evict_us`` is
 that write's own cost per particle-step, measured alone: subtract it from the variants'.
 
-    python benchmarks/diagnostics/bench_loop.py [--steps 32] [--context 128] [--repeats 5] [--evict-mb 64]
+    python benchmarks/diagnostics/bench_loop.py [--steps 32] [--context 128] [--repeats 5] \\
+        [--evict-mb 64]
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class InstantLM(AsyncLM):
         super().__init__(None, batch_size=4096)
         self._vocab_size = vocab_size
         self.rows = torch.randn(256, vocab_size).log_softmax(-1)
-        self.evict_lines = torch.zeros(evict_mb * 2**20 // 8, dtype=torch.float64)[::8]  # one a cache line
+        # one a cache line
+        self.evict_lines = torch.zeros(evict_mb * 2**20 // 8, dtype=torch.float64)[::8]
 
     def evict(self) -> None:
         if self.evict_lines.numel():
@@ -68,7 +70,8 @@ class InstantLM(AsyncLM):
 
         def evaluate():
             self.evict()
-            block = self.rows[torch.arange(len(requests)) % 256]  # a fresh [k, V] block, as a model's
+            # a fresh [k, V] block, as a model's
+            block = self.rows[torch.arange(len(requests)) % 256]
             loop.call_soon_threadsafe(future.set_result, list(block.unbind(0)))
 
         self._engine_thread.submit(evaluate)
@@ -79,7 +82,12 @@ class _Batch:
     """A batch's rows, set on the engine thread; its future resolves with all of them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, size: int):
-        self.loop, self.future, self.results, self.left = loop, loop.create_future(), [None] * size, size
+        self.loop, self.future, self.results, self.left = (
+            loop,
+            loop.create_future(),
+            [None] * size,
+            size,
+        )
 
     def set(self, i: int, row: torch.Tensor) -> None:
         self.results[i] = row
@@ -88,7 +96,9 @@ class _Batch:
             self.loop.call_soon_threadsafe(self.future.set_result, self.results)
 
 
-async def lockstep(lm: InstantLM, prompt: list[int], num_particles: int, num_steps: int, sampler: str) -> None:
+async def lockstep(
+    lm: InstantLM, prompt: list[int], num_particles: int, num_steps: int, sampler: str
+) -> None:
     if sampler == "w1":
         await smc(lm, prompt, num_particles, num_steps, UserSampler("w1", lm.vocab_size, seed=0))
         return
@@ -139,11 +149,19 @@ def main() -> None:
     parser.add_argument("--particles", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--context", type=int, default=128, help="prompt length (tokens)")
-    parser.add_argument("--vocab", type=int, default=32, help="row length (short: the draws cost next to nothing)")
-    parser.add_argument("--samplers", nargs="+", default=["w1", "race"],
-                        help="w1 (the workload of record), race, batched, predraw")
+    parser.add_argument(
+        "--vocab", type=int, default=32, help="row length (short: the draws cost next to nothing)"
+    )
+    parser.add_argument(
+        "--samplers",
+        nargs="+",
+        default=["w1", "race"],
+        help="w1 (the workload of record), race, batched, predraw",
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--evict-mb", type=int, default=0, help="MiB the engine writes before each batch")
+    parser.add_argument(
+        "--evict-mb", type=int, default=0, help="MiB the engine writes before each batch"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -151,9 +169,11 @@ def main() -> None:
     prompt = [random.Random(0).randrange(args.vocab) for _ in range(args.context)]
     rows = []
     for n in args.particles:
-        variants = {"bare": lambda: bare(n, args.steps)}
+        variants = {"bare": lambda n=n: bare(n, args.steps)}
         for sampler in args.samplers:
-            variants[sampler] = lambda sampler=sampler: lockstep(lm, prompt, n, args.steps, sampler)
+            variants[sampler] = lambda sampler=sampler, n=n: lockstep(
+                lm, prompt, n, args.steps, sampler
+            )
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats + 1):  # the first round warms up
             for name, make in variants.items():

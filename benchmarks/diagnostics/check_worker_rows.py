@@ -29,8 +29,11 @@ def compare(ours: torch.Tensor, listed: torch.Tensor) -> dict:
     finite = torch.isfinite(listed)
     diff = (ours.float().cpu() - listed)[finite].abs()
     likely = listed >= listed.max() - 2.0  # the likeliest tokens (random weights: all near -log V)
-    return {"max_abs": float(diff.max()), "max_abs_likely": float((ours.float().cpu() - listed)[likely].abs().max()),
-            "same_argmax": int(ours.argmax()) == int(listed.argmax())}
+    return {
+        "max_abs": float(diff.max()),
+        "max_abs_likely": float((ours.float().cpu() - listed)[likely].abs().max()),
+        "same_argmax": int(ours.argmax()) == int(listed.argmax()),
+    }
 
 
 def main() -> None:
@@ -52,7 +55,9 @@ def main() -> None:
     lm = AsyncVirtualLM.from_name(str(model_dir), engine_opts=opts)
     gen = torch.Generator().manual_seed(0)
     vocab = lm.vocab_size
-    contexts = [torch.randint(0, vocab, (5 + 7 * i,), generator=gen).tolist() for i in range(args.contexts)]
+    contexts = [
+        torch.randint(0, vocab, (5 + 7 * i,), generator=gen).tolist() for i in range(args.contexts)
+    ]
 
     async def lockstep() -> list[tuple[list[int], torch.Tensor]]:
         seen, now = [], contexts
@@ -74,12 +79,22 @@ def main() -> None:
         listed = torch.full((vocab,), float("-inf"))
         for token, logprob in out.outputs[0].logprobs[0].items():
             listed[token] = logprob.logprob
-        results.append({"len": len(context), "held_vs_listed": compare(row, listed),
-                        "plain_vs_listed": compare(mine, listed), "held_vs_plain": compare(row, mine)})
-    summary = {key: {"max_abs": max(r[key]["max_abs"] for r in results),
-                     "max_abs_likely": max(r[key]["max_abs_likely"] for r in results),
-                     "argmax_agree": sum(r[key]["same_argmax"] for r in results) / len(results)}
-               for key in ("held_vs_listed", "plain_vs_listed", "held_vs_plain")}
+        results.append(
+            {
+                "len": len(context),
+                "held_vs_listed": compare(row, listed),
+                "plain_vs_listed": compare(mine, listed),
+                "held_vs_plain": compare(row, mine),
+            }
+        )
+    summary = {
+        key: {
+            "max_abs": max(r[key]["max_abs"] for r in results),
+            "max_abs_likely": max(r[key]["max_abs_likely"] for r in results),
+            "argmax_agree": sum(r[key]["same_argmax"] for r in results) / len(results),
+        }
+        for key in ("held_vs_listed", "plain_vs_listed", "held_vs_plain")
+    }
     payload = {"engine_opts": opts, "sessions": sessions, "rows": len(results), "summary": summary}
     print(json.dumps(payload, indent=1))
     if args.out is not None:

@@ -85,7 +85,9 @@ def main() -> None:
                            "speedup": base / statistics.median(walls[setting])}
                     if setting == "default":
                         row["collector_ms_per_step"] = [
-                            round(1e3 * sum(c.seconds[g] for c in clocks) / steps, 3) for g in range(3)]
+                            round(1e3 * sum(c.seconds[g] for c in clocks) / steps, 3)
+                            for g in range(3)
+                        ]
                         row["passes_per_step"] = [
                             round(sum(c.counts[g] for c in clocks) / steps, 2) for g in range(3)]
                     rows.append(row)

@@ -3,7 +3,8 @@ of the prompt) moves between engine starts: ``--starts`` child processes one aft
 each a fresh ``vllm.LLM`` with the workload's options, each timed as the benchmark times its
 floor (a warm-up, then ``--repeats``; median, min, max).
 
-    python benchmarks/diagnostics/floor_starts.py --gpu --tokenizer-dir DIR --particles 1 256 --starts 3
+    python benchmarks/diagnostics/floor_starts.py --gpu --tokenizer-dir DIR --particles 1 256 \\
+        --starts 3
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def main() -> None:
     model_dir, engine_opts, prompt = workload(args)
     for start in range(known.starts):
         floor = in_child("floor", model_dir, engine_opts, prompt, args)["floor"]
-        cells = [f"N={n}: {r['median_s']:.4f} s ({r['min_s']:.4f}-{r['max_s']:.4f})" for n, r in floor.items()]
+        cells = [
+            f"N={n}: {r['median_s']:.4f} s ({r['min_s']:.4f}-{r['max_s']:.4f})"
+            for n, r in floor.items()
+        ]
         print(f"start {start + 1}: " + ", ".join(cells), flush=True)
 
 

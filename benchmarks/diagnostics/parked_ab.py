@@ -6,7 +6,8 @@ constructor) alternately with the bypass (``bypass``) and with vLLM's own ``sche
 (``vllm``), and prints per configuration the median wall with min/max, the mean time of a
 ``schedule()`` call and the median number of parked sessions at a step.
 
-    python benchmarks/diagnostics/parked_ab.py --gpu --tokenizer-dir DIR --workloads w5 w1 --particles 64 256
+    python benchmarks/diagnostics/parked_ab.py --gpu --tokenizer-dir DIR --workloads w5 w1 \\
+        --particles 64 256
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=4 python benchmarks/diagnostics/parked_ab.py --micro \\
         --workloads w5 --particles 64 256 --engine-opt max_num_seqs=1024
 
@@ -42,11 +43,20 @@ def main() -> None:
         def call(*a, **k):
             start_ns = time.perf_counter_ns()
             out = schedule(*a, **k)
-            calls.append(((time.perf_counter_ns() - start_ns) / 1e3, scheduler.num_waiting_for_streaming_input))
+            calls.append(
+                (
+                    (time.perf_counter_ns() - start_ns) / 1e3,
+                    scheduler.num_waiting_for_streaming_input,
+                )
+            )
             return out
+
         return call
 
-    variants = {"bypass": timed(scheduler.schedule), "vllm": timed(type(scheduler).schedule.__get__(scheduler))}
+    variants = {
+        "bypass": timed(scheduler.schedule),
+        "vllm": timed(type(scheduler).schedule.__get__(scheduler)),
+    }
     results = {}
     for workload in args.workloads:
         for n in args.particles:
@@ -66,10 +76,13 @@ def main() -> None:
                     runs[name]["parked"].append(statistics.median(c[1] for c in calls))
             for name, run in runs.items():
                 walls = run["walls"]
-                print(f"{workload} N={n} {name}: wall median {statistics.median(walls) * 1e3:.1f} ms "
-                      f"(min {min(walls) * 1e3:.1f} max {max(walls) * 1e3:.1f}); schedule mean "
-                      f"{statistics.median(run['schedule_us']):.0f} us/step; parked median "
-                      f"{statistics.median(run['parked']):.0f}", flush=True)
+                print(
+                    f"{workload} N={n} {name}: wall median {statistics.median(walls) * 1e3:.1f} ms "
+                    f"(min {min(walls) * 1e3:.1f} max {max(walls) * 1e3:.1f}); schedule mean "
+                    f"{statistics.median(run['schedule_us']):.0f} us/step; parked median "
+                    f"{statistics.median(run['parked']):.0f}",
+                    flush=True,
+                )
                 results[f"{workload}_{n}_{name}"] = run
     lm.cleanup()
     if args.out_dir is not None:

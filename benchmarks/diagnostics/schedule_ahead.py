@@ -73,13 +73,19 @@ class ScheduleAhead:
         self.reference: torch.Tensor | None = None
         self.timing = False  # record the device time of each step, forward pass to sample
         self.events: list[tuple[Any, Any]] = []
-        sample, prepare, model_forward = runner._sample, runner._prepare_input_ids, runner._model_forward
+        sample, prepare, model_forward = (
+            runner._sample,
+            runner._prepare_input_ids,
+            runner._model_forward,
+        )
         output_class = gpu_model_runner.AsyncGPUModelRunnerOutput
         get_output = output_class.get_output
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.timing:
-                self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                self.events.append(
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                )
                 self.events[-1][0].record()
             return model_forward(*args, **kwargs)
 
@@ -101,7 +107,11 @@ class ScheduleAhead:
 
         def prepare_input_ids(*args: Any, **kwargs: Any) -> Any:
             step = self.steps[-1] if self.active and self.steps else None
-            if step is not None and step.tokens is None and runner.input_batch.prev_sampled_token_ids is step.placeholder:
+            if (
+                step is not None
+                and step.tokens is None
+                and runner.input_batch.prev_sampled_token_ids is step.placeholder
+            ):
                 self._draw(step)
             return prepare(*args, **kwargs)
 
@@ -123,7 +133,11 @@ class ScheduleAhead:
                         self.last_rows[req_id] = step.rows[i]
             return out
 
-        runner._sample, runner._prepare_input_ids, runner._model_forward = _sample, prepare_input_ids, forward
+        runner._sample, runner._prepare_input_ids, runner._model_forward = (
+            _sample,
+            prepare_input_ids,
+            forward,
+        )
         output_class.get_output = output
 
     def _draw(self, step: Step) -> None:
@@ -177,7 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict[str, Any] = {"check": check(llm, ahead, prompt, vocab_size(model_dir))}
     print("check:", result["check"], flush=True)
 
-    params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False)
+    params = SamplingParams(
+        max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False
+    )
     walls: dict[str, dict[int, list[float]]] = {"floor": {}, "ahead": {}, "draw": {}}
     for repeat in range(args.repeats + 1):
         for n in args.particles:
@@ -209,14 +225,30 @@ def main(argv: list[str] | None = None) -> dict:
     for n in args.particles:
         floor, mine = summarise(walls["floor"][n]), summarise(walls["ahead"][n])
         nosample = statistics.median(w - d for w, d in zip(walls["ahead"][n], walls["draw"][n]))
-        row = {"N": n, "floor_s": floor, "ahead_s": mine, "draw_s": statistics.median(walls["draw"][n]),
-               "ratio": mine["median_s"] / floor["median_s"], "ratio_nosample": nosample / floor["median_s"]}
+        row = {
+            "N": n,
+            "floor_s": floor,
+            "ahead_s": mine,
+            "draw_s": statistics.median(walls["draw"][n]),
+            "ratio": mine["median_s"] / floor["median_s"],
+            "ratio_nosample": nosample / floor["median_s"],
+        }
         rows.append(row)
-        print(f"N={n}: floor {row['floor_s']['median_s']:.3f} s, ahead {row['ahead_s']['median_s']:.3f} s, "
-              f"draw {row['draw_s']:.3f} s, ratio {row['ratio']:.2f}, without the draw {row['ratio_nosample']:.2f}",
-              flush=True)
-    result.update(config={**{k: str(v) for k, v in vars(args).items()}, "engine_opts": opts,
-                          "device": torch.cuda.get_device_name()}, rows=rows)
+        print(
+            f"N={n}: floor {row['floor_s']['median_s']:.3f} s, "
+            f"ahead {row['ahead_s']['median_s']:.3f} s, "
+            f"draw {row['draw_s']:.3f} s, ratio {row['ratio']:.2f}, "
+            f"without the draw {row['ratio_nosample']:.2f}",
+            flush=True,
+        )
+    result.update(
+        config={
+            **{k: str(v) for k, v in vars(args).items()},
+            "engine_opts": opts,
+            "device": torch.cuda.get_device_name(),
+        },
+        rows=rows,
+    )
     SCRATCH_DIR.mkdir(exist_ok=True)
     out = SCRATCH_DIR / "schedule_ahead_gpu.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

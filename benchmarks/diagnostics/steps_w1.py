@@ -7,7 +7,8 @@ reads a little slow: compare functions, not totals); nested functions are counte
 their callers too. ``trace_w1.py`` shows the order of the hand-offs instead.
 
     python benchmarks/diagnostics/steps_w1.py --gpu --tokenizer-dir DIR --particles 8 256
-    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/diagnostics/steps_w1.py --micro --particles 8 256
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/diagnostics/steps_w1.py \\
+        --micro --particles 8 256
 """
 
 from __future__ import annotations
@@ -68,9 +69,21 @@ def install_engine(engine: object) -> None:
     core = engine.engine_core.engine_core
     runner = internals.engine._model_runner(engine)
     wrap(engine, "step")
-    for owner, names in ((core.scheduler, ("schedule", "update_from_output")), (engine.output_processor, ("process_outputs",)),
-                         (runner, ("execute_model", "sample_tokens", "_update_states", "_prepare_inputs",
-                                   "_bookkeeping_sync", "_sample"))):
+    for owner, names in (
+        (core.scheduler, ("schedule", "update_from_output")),
+        (engine.output_processor, ("process_outputs",)),
+        (
+            runner,
+            (
+                "execute_model",
+                "sample_tokens",
+                "_update_states",
+                "_prepare_inputs",
+                "_bookkeeping_sync",
+                "_sample",
+            ),
+        ),
+    ):
         for name in names:
             if owner is not None and hasattr(owner, name):
                 wrap(owner, name)
@@ -78,7 +91,8 @@ def install_engine(engine: object) -> None:
 
 def main() -> None:
     args = parse(sys.argv[1:])
-    lm, prompt = start(args, install)  # installed before the model: its batchers keep what they are given
+    # installed before the model: its batchers keep what they are given
+    lm, prompt = start(args, install)
     install_engine(lm.llm.llm_engine)
     for workload in args.workloads:
         for n in args.particles:
@@ -90,10 +104,16 @@ def main() -> None:
                 for _ in range(args.repeats):
                     run()
                 steps = args.repeats * args.steps
-                print(f"\nN={n} {label}: {1e6 * (time.perf_counter() - start_s) / steps:.0f} us per step")
+                print(
+                    f"\nN={n} {label}: "
+                    f"{1e6 * (time.perf_counter() - start_s) / steps:.0f} us per step"
+                )
                 for name, (calls, ns) in sorted(TOTALS.items(), key=lambda item: -item[1][1]):
-                    print(f"  {name:22s} {calls / steps:7.1f} calls/step {ns / steps / 1e3:9.1f} us/step "
-                          f"{ns / calls / 1e3:8.2f} us/call")
+                    print(
+                        f"  {name:22s} {calls / steps:7.1f} calls/step "
+                        f"{ns / steps / 1e3:9.1f} us/step "
+                        f"{ns / calls / 1e3:8.2f} us/call"
+                    )
     lm.cleanup()
 
 

@@ -6,12 +6,15 @@ own: its batched ``logw_next`` call and its batched draw (``_flush_draws``). Run
 at our capture, ``apply``), the median and mean time between consecutive points, and how the
 engine steps with and without new requests (resampled particles' forks) differ.
 
-    python benchmarks/diagnostics/trace_w6.py --gpu --tokenizer-dir DIR --consumer-site DIR --particles 256
-    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/diagnostics/trace_w6.py --particles 16
+    python benchmarks/diagnostics/trace_w6.py --gpu --tokenizer-dir DIR --consumer-site DIR \\
+        --particles 256
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 python benchmarks/diagnostics/trace_w6.py \\
+        --particles 16
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -58,10 +61,13 @@ def main() -> None:
             walls.append(time.perf_counter() - start)
             events, steps = list(trace.EVENTS), list(trace.SCHEDULED)
         starts = [ns for point, ns, _ in events if point == "apply"]
-        spans = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
-        print(f"\nW6 N={n}: ours {statistics.median(walls) * 1e3:.1f} ms (median of {len(walls)}); "
-              f"step (apply to apply) median {statistics.median(spans):.0f} us, mean {statistics.fmean(spans):.0f} us, "
-              f"{len(starts)} steps")
+        spans = [(b - a) / 1e3 for a, b in itertools.pairwise(starts)]
+        print(
+            f"\nW6 N={n}: ours {statistics.median(walls) * 1e3:.1f} ms (median of {len(walls)}); "
+            f"step (apply to apply) median {statistics.median(spans):.0f} us, "
+            f"mean {statistics.fmean(spans):.0f} us, "
+            f"{len(starts)} steps"
+        )
         print(f"  {trace.step_kinds(steps)}")
         print("     median       mean")
         for key, (median, mean) in trace.step_intervals(events).items():

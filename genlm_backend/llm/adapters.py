@@ -32,7 +32,8 @@ class Adapters:
 
     @staticmethod
     def hash_to_int(name: str) -> int:
-        """The integer id of adapter ``name``: shake_128 (4 bytes, big-endian) mod (2^31 - 2), plus 1.
+        """The integer id of adapter ``name``: shake_128 (4 bytes, big-endian) mod (2^31 - 2),
+        plus 1.
 
         Always in [1, 2^31 - 1]; the same ids as the reference library gives.
         """
@@ -56,7 +57,8 @@ class Adapters:
             return
         if lora_name in self._lora_paths:
             raise InvalidRequestError(
-                f"an adapter named {lora_name!r} is already loaded from {self._lora_paths[lora_name]!r}; "
+                f"an adapter named {lora_name!r} is already loaded from "
+                f"{self._lora_paths[lora_name]!r}; "
                 "remove_lora() it first"
             )
         lora_id = self.hash_to_int(lora_name)

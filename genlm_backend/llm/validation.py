@@ -49,7 +49,8 @@ def check_token_ids(
         for position, tid in enumerate(ids):
             if not 0 <= tid < vocab_size:
                 raise InvalidRequestError(
-                    f"token id {tid!r} at position {position} is outside the vocabulary of size {vocab_size}"
+                    f"token id {tid!r} at position {position} is outside the vocabulary "
+                    f"of size {vocab_size}"
                 )
     if max_len is not None and len(ids) > max_len:
         raise InvalidRequestError(
@@ -70,7 +71,8 @@ def _as_int_tuple(token_ids: Any) -> tuple[int, ...]:
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
             raise InvalidRequestTypeError(
-                f"token_ids must be a 1-D integer array, got shape {token_ids.shape} dtype {token_ids.dtype}"
+                f"token_ids must be a 1-D integer array, got shape {token_ids.shape} "
+                f"dtype {token_ids.dtype}"
             )
         return tuple(token_ids.tolist())
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (list, tuple, range)):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from genlm_backend.exceptions import InvalidRequestError, InvalidRequestTypeError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Token"]
 
@@ -46,7 +49,7 @@ class Token(bytes):
     token_id: int
     byte_string: bytes
 
-    def __new__(cls, token_id: int, byte_string: bytes) -> Token:
+    def __new__(cls, token_id: int, byte_string: bytes) -> Self:
         if type(token_id) is not int:
             if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
                 raise InvalidRequestTypeError(

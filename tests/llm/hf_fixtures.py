@@ -50,8 +50,14 @@ def tiny_llama_dir() -> Path:
                 param.normal_(0.0, 0.08)
 
     return save_random_llama(
-        _workdir() / "tiny-llama", load_tokenizer("sentencepiece"), hidden_size=64, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, max_positions=MAX_POSITIONS, adjust=spread,
+        _workdir() / "tiny-llama",
+        load_tokenizer("sentencepiece"),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_positions=MAX_POSITIONS,
+        adjust=spread,
     )
 
 

@@ -160,12 +160,12 @@ def test_a_call_made_outside_a_loop_runs_in_asyncio_run(backend):
 
 async def test_sampling_calls_take_every_pattern(backend):
     lm = backend.lm
-    args = dict(max_tokens=3, eos_token_ids=[], temperature=1.0)
+    args = {"max_tokens": 3, "eos_token_ids": [], "temperature": 1.0}
     alone = await lm.sample(PROMPTS[0], seed=11, **args)
     assert len(alone) == 3
     task = asyncio.ensure_future(lm.sample(PROMPTS[0], seed=11, **args))
     batch = asyncio.ensure_future(lm.batch_sample([PROMPTS[0]], seed=11, **args))
-    done, pending = await asyncio.wait([task, batch], timeout=60)
+    _, pending = await asyncio.wait([task, batch], timeout=60)
     assert not pending
     assert task.result() == alone and batch.result() == [alone]
     with OtherLoop() as other:

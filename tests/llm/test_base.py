@@ -91,7 +91,9 @@ async def test_bad_input_fails_its_caller_only(lm, prompt, error, message):
 
 async def test_unknown_adapter_fails_its_caller_only(lm):
     results = await asyncio.gather(
-        lm.next_token_logprobs([3]), lm.next_token_logprobs([3], lora_name="nope"), return_exceptions=True
+        lm.next_token_logprobs([3]),
+        lm.next_token_logprobs([3], lora_name="nope"),
+        return_exceptions=True,
     )
     assert torch.equal(results[0], lm.logprobs_of([3]))
     assert isinstance(results[1], ValueError) and "'nope'" in str(results[1])
@@ -232,8 +234,12 @@ async def test_batch_sample_seeds_each_prompt(lm):
 
 @pytest.mark.parametrize(
     "kwargs, error",
-    [({"max_tokens": 0}, ValueError), ({"max_tokens": 1.5}, TypeError), ({"temperature": -1}, ValueError),
-     ({"eos_token_ids": [V]}, ValueError)],
+    [
+        ({"max_tokens": 0}, ValueError),
+        ({"max_tokens": 1.5}, TypeError),
+        ({"temperature": -1}, ValueError),
+        ({"eos_token_ids": [V]}, ValueError),
+    ],
 )
 async def test_bad_sampling_arguments(lm, kwargs, error):
     args = {"prompt_token_ids": [1], "max_tokens": 3, "eos_token_ids": [0], **kwargs}

@@ -36,7 +36,8 @@ def test_w1_benchmark_smoke(tmp_path, capsys):
 def test_w1_particles_follow_the_same_distribution_as_the_floor():
     """Same seed, same model: the backend's particles and the floor's sample the same tokens."""
     args = bench_w1_hf.parse_args(
-        ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--mlp", "64", "--vocab", "50"]
+        ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+         "--mlp", "64", "--vocab", "50"]
     )  # fmt: skip
     model = bench_w1_hf.build_model(args)
     from genlm_backend.llm.hf import AsyncTransformer

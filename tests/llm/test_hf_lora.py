@@ -171,7 +171,9 @@ async def test_mixed_batches_match_their_references(lm, reference_base, mix):
 async def test_one_batch_extends_a_context_under_every_adapter(lm, reference_base):
     """Key/value states of one context kept per adapter, extended in one batch by all three."""
     prompt = random_prompt(16, seed=48)
-    await asyncio.gather(*(lm.next_token_logprobs(prompt, lora_name=name) for name in (None, "a", "b")))
+    await asyncio.gather(
+        *(lm.next_token_logprobs(prompt, lora_name=name) for name in (None, "a", "b"))
+    )
     calls = [(prompt + [7], name) for name in ("b", None, "a")] + [(prompt + [7, 9], None)]
     rows = await asyncio.gather(*(lm.next_token_logprobs(p, lora_name=name) for p, name in calls))
     for (context, name), row in zip(calls, rows):
@@ -186,7 +188,11 @@ REMOVAL_CALLS = [(50, None), (50, "a"), (51, "b"), (51, "a"), (52, None)]
 async def test_removing_an_adapter_fails_only_its_queued_requests(lm, reference_base, keep_b):
     """The adapter goes between the requests' submission and their batch's evaluation: its
     requests get an error naming it (never the base model's rows); the others are exact."""
-    calls = [(random_prompt(12, seed=seed), name) for seed, name in REMOVAL_CALLS if keep_b or name != "b"]
+    calls = [
+        (random_prompt(12, seed=seed), name)
+        for seed, name in REMOVAL_CALLS
+        if keep_b or name != "b"
+    ]
     if not keep_b:
         lm.remove_lora("b")  # "a" is then the last adapter: removing it unloads peft
     tasks = [asyncio.ensure_future(lm.next_token_logprobs(p, lora_name=name)) for p, name in calls]

@@ -33,7 +33,9 @@ def live_requests(ignore=frozenset()):
 
 def reachable(checker, *held):
     """The ids of the requests the checker and ``held`` keep alive (each with its parent)."""
-    roots = [r for gen in generations(checker) for r in gen.values()] + [r for r in held if r is not None]
+    roots = [r for gen in generations(checker) for r in gen.values()] + [
+        r for r in held if r is not None
+    ]
     return {id(r) for root in roots for r in (root, root.parent) if r is not None}
 
 
@@ -62,19 +64,31 @@ def paths():
         ("unhashable id", [[5, 6, 7]], [5, [6], 7, 8], None, InvalidRequestTypeError),
         ("hash raises", [[5, 6, 7]], [RaisingHash(), 6, 7, 8], None, RuntimeError),
         ("bad last id", [[5, 6, 7]], [5, 6, 7, V], None, InvalidRequestError),
-        ("too long", [[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2, 3, 4, 5, 6, 7, 8, 9], None, InvalidRequestError),
+        (
+            "too long",
+            [[1, 2, 3, 4, 5, 6, 7, 8]],
+            [1, 2, 3, 4, 5, 6, 7, 8, 9],
+            None,
+            InvalidRequestError,
+        ),
         ("one id", [], [5], None, None),
     ]
 
 
 @pytest.mark.parametrize("min_remember", [1, 64], ids=["generations-turn-over", "generations-stay"])
 @pytest.mark.parametrize("name, setup, prompt, lora, error", paths(), ids=[p[0] for p in paths()])
-def test_every_path_leaves_only_what_the_checker_holds(name, setup, prompt, lora, error, min_remember):
+def test_every_path_leaves_only_what_the_checker_holds(
+    name, setup, prompt, lora, error, min_remember
+):
     checker = PromptChecker(V, max_len=8, min_remember=min_remember)
     kept = [checker.request(ids, None) for ids in setup]
     before = live_requests()
     # the caller's list and its ids, less small ints (shared by every tuple that holds them)
-    watched = [*generations(checker), prompt, *(t for t in prompt if not (type(t) is int and t <= 256))]
+    watched = [
+        *generations(checker),
+        prompt,
+        *(t for t in prompt if not (type(t) is int and t <= 256)),
+    ]
     refs = references(checker, watched)
     for _ in range(3):  # once as a first sight, then as a prompt the checker has seen
         request = None
@@ -98,7 +112,9 @@ def test_misses_leave_no_requests_behind():
     for i in range(5000):
         checker.request([i % V, (i // V) % V, 7], None)
     alive = live_requests(before)
-    assert len(alive) <= 150, f"{len(alive)} requests alive after 5000 misses (the checker holds at most 150)"
+    assert len(alive) <= 150, (
+        f"{len(alive)} requests alive after 5000 misses (the checker holds at most 150)"
+    )
     assert alive == reachable(checker)
 
 

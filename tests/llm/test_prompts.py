@@ -167,14 +167,36 @@ def test_the_prompt_check_benchmark_runs_and_reports_what_it_measured(tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "benchmarks/bench_prompts.py", "--particles", "8", "--context", "20", "--steps", "2",
-         "--runs", "3", "--out-dir", str(tmp_path)],
-        cwd=repo, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "benchmarks/bench_prompts.py",
+            "--particles",
+            "8",
+            "--context",
+            "20",
+            "--steps",
+            "2",
+            "--runs",
+            "3",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     payload = json.loads((tmp_path / "prompt_checks.json").read_text())
     (row,) = payload["rows"]
     runs = payload["runs_us"]
-    assert len(runs["checker"]) == len(runs["full"]) == 3 and min(runs["checker"] + runs["full"]) > 0
-    assert row["checker_us"] == statistics.median(runs["checker"]) and row["full_us"] == statistics.median(runs["full"])
-    assert row["ratio"] == pytest.approx(statistics.median(c / f for c, f in zip(runs["checker"], runs["full"])))
+    assert (
+        len(runs["checker"]) == len(runs["full"]) == 3 and min(runs["checker"] + runs["full"]) > 0
+    )
+    assert row["checker_us"] == statistics.median(runs["checker"]) and row[
+        "full_us"
+    ] == statistics.median(runs["full"])
+    assert row["ratio"] == pytest.approx(
+        statistics.median(c / f for c, f in zip(runs["checker"], runs["full"]))
+    )

@@ -32,7 +32,9 @@ def claimed(num_slots: int, max_rows: int, seed: int, steps: int = 3000) -> list
 
 def overwritten(steps: list[set[int]], depth: int) -> bool:
     """Some step's slots are written again within the ``depth`` steps after it."""
-    return any(steps[k] & set().union(*steps[k + 1 : k + 1 + depth]) for k in range(len(steps) - depth))
+    return any(
+        steps[k] & set().union(*steps[k + 1 : k + 1 + depth]) for k in range(len(steps) - depth)
+    )
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])

@@ -107,7 +107,9 @@ async def test_bad_input_fails_only_its_caller(vlm, hf_reference):
 def test_lora_matches_the_merged_model(vlm, tiny_model_dirs, hf_reference):
     prompt = prompts_of([13], seed=10)[0]
     vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
-    assert_matches(vlm.next_token_logprobs_sync(prompt, lora_name="ad"), hf_reference("merged", prompt))
+    assert_matches(
+        vlm.next_token_logprobs_sync(prompt, lora_name="ad"), hf_reference("merged", prompt)
+    )
     assert_matches(vlm.next_token_logprobs_sync(prompt), hf_reference("base", prompt))
     vlm.set_lora(lora_name="ad")
     assert_matches(vlm.next_token_logprobs_sync(prompt), hf_reference("merged", prompt))
@@ -245,7 +247,9 @@ async def test_out_of_memory_splits_the_batch(vlm, hf_reference):
 
     vlm._runner.before_attempt = inject
     splits = vlm.stats()["engine"]["num_oom_splits"]
-    results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True)
+    results = await asyncio.gather(
+        *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
+    )
     assert sizes[0] == 6 and 1 in sizes
     assert vlm.stats()["engine"]["num_oom_splits"] > splits
     assert isinstance(results[4], EngineError) and "out of device memory" in str(results[4])
@@ -257,7 +261,9 @@ async def test_out_of_memory_splits_the_batch(vlm, hf_reference):
 async def test_an_engine_error_fails_its_batch_and_the_model_keeps_working(vlm):
     prompts = prompts_of([4, 5], seed=17)
     vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
-    results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True)
+    results = await asyncio.gather(
+        *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
+    )
     assert all(isinstance(r, EngineError) for r in results)
     vlm._runner.before_attempt = None
     assert (await vlm.next_token_logprobs(prompts[0])).shape == (32000,)
@@ -283,10 +289,14 @@ async def test_a_failure_inside_an_engine_step_fails_its_batch_and_leaves_the_en
 
     monkeypatch.setattr(vllm_capture.LogprobsCaptureProcessor, "apply", fail_once)
     prompts = prompts_of([3, 4, 5], seed=18)
-    failed = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True)
+    failed = await asyncio.gather(
+        *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
+    )
     assert all(isinstance(r, EngineError) for r in failed)
     monkeypatch.undo()
-    for prompt, row in zip(prompts, await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))):
+    for prompt, row in zip(
+        prompts, await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))
+    ):
         assert_matches(row, hf_reference("base", prompt))
     assert len(await vlm.sample(prompts[0], 3, [], seed=0)) == 3
     vlm.close_sessions()

@@ -58,7 +58,8 @@ facts.update(
     engine_core_in_process=hasattr(engine.engine_core, "engine_core"),
     child_processes=len(psutil.Process().children(recursive=True)),
     num_blocks=config.cache_config.num_gpu_blocks, block_size=config.cache_config.block_size,
-    max_num_seqs=config.scheduler_config.max_num_seqs, max_model_len=config.model_config.max_model_len,
+    max_num_seqs=config.scheduler_config.max_num_seqs,
+    max_model_len=config.model_config.max_model_len,
     rss_bytes=psutil.Process().memory_info().rss,
 )
 lm.cleanup()
@@ -77,13 +78,28 @@ def script_run(tiny_model_dirs, tmp_path_factory) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     row_path, facts_path = folder / "row.pt", folder / "facts.json"
     done = subprocess.run(
-        [sys.executable, "first_script.py", str(tiny_model_dirs["base"]), str(row_path), str(facts_path)],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=900, check=False,
+        [
+            sys.executable,
+            "first_script.py",
+            str(tiny_model_dirs["base"]),
+            str(row_path),
+            str(facts_path),
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     output = (done.stdout + done.stderr)[-6000:]
     if done.returncode != 0 or not facts_path.exists():
         return {"failed": f"the script exited with {done.returncode}:\n{output}"}
-    return {"facts": json.loads(facts_path.read_text()), "row": torch.load(row_path), "output": output}
+    return {
+        "facts": json.loads(facts_path.read_text()),
+        "row": torch.load(row_path),
+        "output": output,
+    }
 
 
 def _facts(script_run) -> dict:
@@ -176,15 +192,27 @@ def test_kv_sizing_follows_the_model_and_the_engine_limits(tiny_model_dirs):
     per_token = 2 * 2 * 1 * 64 * 4  # (K, V) x 2 layers x 1 KV head x 64 dims x fp32
     lots = 64 * 2**30
     fp32 = {"dtype": "float32"}
-    small = cpu_kv_cache_bytes(base, {**fp32, "max_num_seqs": 4, "max_model_len": 256}, available=lots)
+    small = cpu_kv_cache_bytes(
+        base, {**fp32, "max_num_seqs": 4, "max_model_len": 256}, available=lots
+    )
     assert 4 * 256 * per_token <= small <= 2 * 4 * 256 * per_token
     # vLLM's CPU defaults: 256 sequences, the model's own length (512); dtype "auto" runs
     # this float32 checkpoint in a 16-bit type, whose cache takes half the bytes.
-    assert 256 * 512 * per_token <= cpu_kv_cache_bytes(base, fp32, available=lots) < 257 * 512 * per_token
-    assert 256 * 512 * per_token // 2 <= cpu_kv_cache_bytes(base, {}, available=lots) < 257 * 512 * per_token // 2
+    assert (
+        256 * 512 * per_token
+        <= cpu_kv_cache_bytes(base, fp32, available=lots)
+        < 257 * 512 * per_token
+    )
+    assert (
+        256 * 512 * per_token // 2
+        <= cpu_kv_cache_bytes(base, {}, available=lots)
+        < 257 * 512 * per_token // 2
+    )
     # An eighth of the available memory at most, as long as one full sequence fits.
     assert cpu_kv_cache_bytes(base, {**fp32, "max_num_seqs": 256}, available=2**26) == 2**23
-    assert cpu_kv_cache_bytes(base, {**fp32, "max_num_seqs": 256}, available=2**20) >= 512 * per_token
+    assert (
+        cpu_kv_cache_bytes(base, {**fp32, "max_num_seqs": 256}, available=2**20) >= 512 * per_token
+    )
 
 
 def test_kv_sizing_refuses_a_sequence_that_cannot_fit_before_any_engine_starts(tiny_model_dirs):
@@ -260,4 +288,3 @@ async def test_batch_size_bounds_every_log_probability_batch(vllm_lm, hf_referen
     finally:
         lm.cleanup()
     assert vllm_lm.next_token_logprobs_sync(PROMPT).shape == (32000,)
-

@@ -25,7 +25,12 @@ def test_the_logits_processor_interface_has_the_shape_we_rely_on():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-    assert {f.name for f in dataclasses.fields(BatchUpdate)} >= {"batch_size", "removed", "added", "moved"}
+    assert {f.name for f in dataclasses.fields(BatchUpdate)} >= {
+        "batch_size",
+        "removed",
+        "added",
+        "moved",
+    }
     assert {"SWAP", "UNIDIRECTIONAL"} <= set(MoveDirectionality.__members__)
     for name in ("apply", "update_state", "is_argmax_invariant"):
         assert name in LogitsProcessor.__abstractmethods__
@@ -47,7 +52,14 @@ def test_non_argmax_invariant_processors_run_before_penalties_and_for_greedy_bat
 def test_the_engine_offers_the_calls_we_make():
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    for name in ("add_request", "step", "abort_request", "has_unfinished_requests", "add_lora", "remove_lora"):
+    for name in (
+        "add_request",
+        "step",
+        "abort_request",
+        "has_unfinished_requests",
+        "add_lora",
+        "remove_lora",
+    ):
         assert callable(getattr(LLMEngine, name)), name
 
 
@@ -66,7 +78,11 @@ def test_the_processor_follows_removed_added_and_moved_rows():
         params = SamplingParams(extra_args=sink.extra_args(tag)) if tag else SamplingParams()
         return (index, params, [1], [])
 
-    proc.update_state(BatchUpdate(3, removed=[], added=[added(0, tags[0]), added(1, 0), added(2, tags[1])], moved=[]))
+    proc.update_state(
+        BatchUpdate(
+            3, removed=[], added=[added(0, tags[0]), added(1, 0), added(2, tags[1])], moved=[]
+        )
+    )
     proc.update_state(BatchUpdate(3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
     proc.update_state(BatchUpdate(3, removed=[1], added=[], moved=[]))
     proc.update_state(BatchUpdate(3, removed=[], added=[added(1, tags[2])], moved=[]))
@@ -77,7 +93,9 @@ def test_the_processor_follows_removed_added_and_moved_rows():
     assert torch.allclose(sink.take(tags[0]), expected[2])
     assert torch.allclose(sink.take(tags[1]), expected[0])
     assert torch.allclose(sink.take(tags[2]), expected[1])
-    proc.update_state(BatchUpdate(3, removed=[], added=[], moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    proc.update_state(
+        BatchUpdate(3, removed=[], added=[], moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)])
+    )
     assert set(proc.rows) == {0, 2}
 
 
@@ -100,10 +118,19 @@ def test_final_rows_go_to_their_targets_and_forced_tokens_win(rows):
     for i, tag in tags.items():
         sink.expect(tag, lambda row, i=i: got.__setitem__(i, row))
     seen = []
-    sink.on_step = lambda final: seen.append(sorted(final)) or {tags[i]: 7 - i for i in rows if i != partial}
+    sink.on_step = lambda final: (
+        seen.append(sorted(final)) or {tags[i]: 7 - i for i in rows if i != partial}
+    )
     proc = LogprobsCaptureProcessor(None, torch.device("cpu"), False)
-    added = [(i, SamplingParams(extra_args=sink.extra_args(tags[i])) if i in tags else SamplingParams(), [1], [])
-             for i in range(4)]
+    added = [
+        (
+            i,
+            SamplingParams(extra_args=sink.extra_args(tags[i])) if i in tags else SamplingParams(),
+            [1],
+            [],
+        )
+        for i in range(4)
+    ]
     proc.update_state(BatchUpdate(4, removed=[], added=added, moved=[]))
     logits = torch.randn(4, 10)
     out = proc.apply(logits.clone())
@@ -145,7 +172,9 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
              (2, SamplingParams(extra_args=sink.extra_args(tags[1])), [1], []),
              (3, SamplingParams(extra_args=sink.extra_args(tags[2])), [1], [] if mask else [9])]
     proc.update_state(BatchUpdate(4, removed=[], added=added, moved=[]))
-    remote = remote_rows.RemoteRows((lambda n: np.array([i == 3 for i in range(n)])) if mask else None)
+    remote = remote_rows.RemoteRows(
+        (lambda n: np.array([i == 3 for i in range(n)])) if mask else None
+    )
     logits = torch.randn(4, 10)
     vllm_capture._SINKS.pop(sink.token)  # as in a worker: the sink lives in another process
     vllm_capture.set_remote(remote)
@@ -162,11 +191,15 @@ def test_a_worker_sends_the_final_rows_of_other_processes_sinks_with_its_output(
     received = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
     remote_rows.deliver_remote(getattr(received, seam._ROWS_ATTR))
     expected = torch.log_softmax(logits, -1)
-    assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[2])
+    assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(
+        sink.take(tags[1]), expected[2]
+    )
     with pytest.raises(RuntimeError):
         sink.take(tags[2])
     shared = seam._carrying(EMPTY_MODEL_RUNNER_OUTPUT, [])
-    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, seam._ROWS_ATTR)
+    assert shared is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(
+        EMPTY_MODEL_RUNNER_OUTPUT, seam._ROWS_ATTR
+    )
 
 
 def test_an_async_output_carries_the_rows_once_it_is_made():
@@ -193,7 +226,9 @@ def test_the_worker_calls_remote_capture_relies_on_are_where_it_expects():
     assert callable(GPUModelRunner.sample_tokens)
     assert "self.output_rank" in inspect.getsource(MultiprocExecutor)
     assert "self.scheduler.update_from_output(" in inspect.getsource(EngineCore.step)
-    assert dataclasses.is_dataclass(ModelRunnerOutput) and not hasattr(ModelRunnerOutput, "__slots__")
+    assert dataclasses.is_dataclass(ModelRunnerOutput) and not hasattr(
+        ModelRunnerOutput, "__slots__"
+    )
 
 
 def test_the_step_calls_that_hold_sessions_over_workers_are_where_they_are_expected():
@@ -212,12 +247,17 @@ def test_the_step_calls_that_hold_sessions_over_workers_are_where_they_are_expec
 
     step = inspect.getsource(EngineCore.step)
     assert "self.model_executor.execute_model(scheduler_output, non_block=True)" in step
-    assert "if model_output is None:" in step and "self.model_executor.sample_tokens(grammar_output)" in step
+    assert (
+        "if model_output is None:" in step
+        and "self.model_executor.sample_tokens(grammar_output)" in step
+    )
     assert "self.step if self.batch_queue is None else" in inspect.getsource(EngineCore.__init__)
     assert "logits" in ExecuteModelState._fields
     runner_execute = inspect.getsource(GPUModelRunner.execute_model)
     assert "self.execute_model_state = ExecuteModelState(" in runner_execute
-    assert runner_execute.index("_update_states(") < runner_execute.index("self.execute_model_state = ExecuteModelState(")
+    assert runner_execute.index("_update_states(") < runner_execute.index(
+        "self.execute_model_state = ExecuteModelState("
+    )
     assert "self.execute_model_state" in inspect.getsource(GPUModelRunner.sample_tokens)
     assert "NoneType" in inspect.getsource(Worker.execute_model)
     assert callable(MultiprocExecutor.execute_model) and callable(MultiprocExecutor.sample_tokens)
@@ -259,10 +299,14 @@ def test_listed_rows_are_taken_from_marked_outputs_before_vllm_lists_them():
             return "processed"
 
     def request(request_id, extra_args):
-        return types.SimpleNamespace(request_id=request_id, sampling_params=types.SimpleNamespace(extra_args=extra_args))
+        return types.SimpleNamespace(
+            request_id=request_id, sampling_params=types.SimpleNamespace(extra_args=extra_args)
+        )
 
     def lists(ids, values):
-        return LogprobsLists(np.array(ids, dtype=np.int32), np.array(values, dtype=np.float32), np.zeros(len(ids)))
+        return LogprobsLists(
+            np.array(ids, dtype=np.int32), np.array(values, dtype=np.float32), np.zeros(len(ids))
+        )
 
     engine = types.SimpleNamespace(output_processor=Processor())
     got = []
@@ -271,13 +315,20 @@ def test_listed_rows_are_taken_from_marked_outputs_before_vllm_lists_them():
     processor.add_request(request("a-1", {"mark": ["sink", 7]}), None)
     processor.add_request(request("b-2", None), None)
     processor.add_request(request("c-3", {"mark": ["sink", 8]}), None)
-    outputs = [types.SimpleNamespace(request_id="a-1", new_logprobs=lists([[2, 2, 0], [1, 1, 1]], [[-1.0, -1.0, -2.0], [0, 0, 0]])),
-               types.SimpleNamespace(request_id="b-2", new_logprobs=lists([[3]], [[-0.5]])),
-               types.SimpleNamespace(request_id="c-3", new_logprobs=None)]  # a partial prefill
+    outputs = [
+        types.SimpleNamespace(
+            request_id="a-1",
+            new_logprobs=lists([[2, 2, 0], [1, 1, 1]], [[-1.0, -1.0, -2.0], [0, 0, 0]]),
+        ),
+        types.SimpleNamespace(request_id="b-2", new_logprobs=lists([[3]], [[-0.5]])),
+        types.SimpleNamespace(request_id="c-3", new_logprobs=None),  # a partial prefill
+    ]
     assert processor.process_outputs(outputs, 1.0, iteration_stats=None) == "processed"
     assert seen == [["b-2"]] and outputs[0].new_logprobs is None
-    (mark, ids, values), = got
-    assert mark == ["sink", 7] and ids.tolist() == [2, 2, 0] and values.tolist() == [-1.0, -1.0, -2.0]
+    ((mark, ids, values),) = got
+    assert (
+        mark == ["sink", 7] and ids.tolist() == [2, 2, 0] and values.tolist() == [-1.0, -1.0, -2.0]
+    )
     outputs = [types.SimpleNamespace(request_id="c-3", new_logprobs=lists([[4]], [[-0.25]]))]
     processor.process_outputs(outputs)
     assert got[-1][0] == ["sink", 8] and got[-1][1].tolist() == [4]
@@ -287,7 +338,9 @@ def test_listed_rows_are_taken_from_marked_outputs_before_vllm_lists_them():
         del processor.request_states[f"gone-{i}"]
     processor.add_request(request("live-1", {"mark": ["sink", 999]}), None)
     processor.process_outputs([])
-    processor.process_outputs([types.SimpleNamespace(request_id="live-1", new_logprobs=lists([[5]], [[0.0]]))])
+    processor.process_outputs(
+        [types.SimpleNamespace(request_id="live-1", new_logprobs=lists([[5]], [[0.0]]))]
+    )
     assert got[-1][0] == ["sink", 999] and len(got) == 3
     stale = types.SimpleNamespace(request_id="gone-5", new_logprobs=lists([[6]], [[0.0]]))
     processor.process_outputs([stale])
@@ -307,10 +360,15 @@ def test_the_output_calls_listed_rows_relies_on_are_where_it_expects():
     assert "self.output_processor.add_request(" in inspect.getsource(LLMEngine.add_request)
     assert "self.output_processor.process_outputs(" in inspect.getsource(LLMEngine.step)
     assert list(inspect.signature(OutputProcessor.add_request).parameters)[1] == "request"
-    assert list(inspect.signature(OutputProcessor.process_outputs).parameters)[1] == "engine_core_outputs"
+    assert (
+        list(inspect.signature(OutputProcessor.process_outputs).parameters)[1]
+        == "engine_core_outputs"
+    )
     assert "new_logprobs" in EngineCoreOutput.__struct_fields__
     assert LogprobsLists._fields[:2] == ("logprob_token_ids", "logprobs")
-    assert "if output.new_logprobs is not None:" in inspect.getsource(LogprobsProcessor.update_from_output)
+    assert "if output.new_logprobs is not None:" in inspect.getsource(
+        LogprobsProcessor.update_from_output
+    )
 
 
 def test_the_runner_calls_the_cpu_generator_rewind_relies_on_are_where_it_expects():
@@ -323,7 +381,10 @@ def test_the_runner_calls_the_cpu_generator_rewind_relies_on_are_where_it_expect
 
     bookkeeping = inspect.getsource(GPUModelRunner._bookkeeping_sync)
     assert "self.input_batch.generators.get(" in bookkeeping and "set_offset(" in bookkeeping
-    assert list(inspect.signature(Sampler.forward).parameters)[1:3] == ["logits", "sampling_metadata"]
+    assert list(inspect.signature(Sampler.forward).parameters)[1:3] == [
+        "logits",
+        "sampling_metadata",
+    ]
     assert "generators=self.generators" in inspect.getsource(InputBatch._make_sampling_metadata)
 
 
@@ -380,13 +441,17 @@ def _forcing_step(num_rows, forced_rows, call_sample=True, logprobs=None):
     tags = [sink.next_tag() for _ in range(num_rows)]
     sink.on_step = lambda final: {tags[i]: 7 - i for i in forced_rows}
     proc = LogprobsCaptureProcessor(None, torch.device("cpu"), False)
-    added = [(i, SamplingParams(extra_args=sink.extra_args(tags[i])), [1], []) for i in range(num_rows)]
+    added = [
+        (i, SamplingParams(extra_args=sink.extra_args(tags[i])), [1], []) for i in range(num_rows)
+    ]
     proc.update_state(BatchUpdate(num_rows, removed=[], added=added, moved=[]))
     sampler, forcing = _SamplerShape(proc, call_sample), ForcedSampling()
     sampler.forward = forcing.wrap_forward(sampler.forward)
     sampler.sample = forcing.wrap_sample(sampler.sample, plain_greedy)
     to_list = forcing.wrap_to_list(sampler.to_list)
-    metadata = dataclasses.make_dataclass("Metadata", ["all_greedy", "max_num_logprobs"])(True, logprobs)
+    metadata = dataclasses.make_dataclass("Metadata", ["all_greedy", "max_num_logprobs"])(
+        True, logprobs
+    )
     logits = torch.randn(num_rows, 10)
     sampled = sampler.forward(logits.clone(), metadata)
     return sampled, to_list(sampled), sampler, forcing, logits
@@ -398,7 +463,9 @@ def test_a_step_whose_every_row_is_forced_takes_the_tokens_without_sampling():
     assert sampler.sampled == 0 and forcing.num_skipped == 1
 
 
-@pytest.mark.parametrize("forced_rows, logprobs", [((1, 3), None), (range(4), 2)], ids=["some rows", "logprobs"])
+@pytest.mark.parametrize(
+    "forced_rows, logprobs", [((1, 3), None), (range(4), 2)], ids=["some rows", "logprobs"]
+)
 def test_other_steps_force_through_the_logits_and_sample(forced_rows, logprobs):
     sampled, host, sampler, forcing, logits = _forcing_step(4, forced_rows, logprobs=logprobs)
     expected = [[7 - i] if i in forced_rows else [int(logits[i].argmax())] for i in range(4)]
@@ -423,11 +490,15 @@ def test_a_chunk_gives_a_parked_session_its_max_tokens_on_every_version(vlm):
 
     scheduler = Scheduler026()
     engine = type("Engine", (), {})()
-    engine.engine_core = type("Client", (), {"engine_core": type("Core", (), {"scheduler": scheduler})()})()
+    engine.engine_core = type(
+        "Client", (), {"engine_core": type("Core", (), {"scheduler": scheduler})()}
+    )()
     assert internals.install_chunk_max_tokens(engine) is True
     assert internals.install_chunk_max_tokens(engine) is True  # once
     session = types.SimpleNamespace(prompt_token_ids=[1, 2], max_tokens=3)
-    scheduler._update_request_as_session(session, types.SimpleNamespace(prompt_token_ids=[4], max_tokens=500))
+    scheduler._update_request_as_session(
+        session, types.SimpleNamespace(prompt_token_ids=[4], max_tokens=500)
+    )
     assert session.prompt_token_ids == [1, 2, 4] and session.max_tokens == 500
     engine_scheduler = vlm.llm.llm_engine.engine_core.engine_core.scheduler
     assert installed_on(engine_scheduler)["chunk_max_tokens"] is True
@@ -451,10 +522,21 @@ def test_parked_sessions_wait_where_the_bypass_takes_them_from(vlm):
     vlm.close_sessions()
     asyncio.run(vlm.next_token_logprobs([3, 5, 7, 11]))
     vlm._engine_thread.submit(lambda: None).result()  # other engine work: the session parks
-    queues = {n: getattr(scheduler, n) for n in ("skipped_waiting", "kv_holding_waiting", "waiting")
-              if isinstance(getattr(scheduler, n, None), deque)}
-    parked = [(n, r) for n, q in queues.items() for r in q if r.status == RequestStatus.WAITING_FOR_STREAMING_REQ]
-    assert len(parked) == 1 and scheduler.num_waiting_for_streaming_input == 1, (list(queues), parked)
+    queues = {
+        n: getattr(scheduler, n)
+        for n in ("skipped_waiting", "kv_holding_waiting", "waiting")
+        if isinstance(getattr(scheduler, n, None), deque)
+    }
+    parked = [
+        (n, r)
+        for n, q in queues.items()
+        for r in q
+        if r.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    ]
+    assert len(parked) == 1 and scheduler.num_waiting_for_streaming_input == 1, (
+        list(queues),
+        parked,
+    )
     vlm.close_sessions()
     assert scheduler.num_waiting_for_streaming_input == 0
 
@@ -470,9 +552,11 @@ def test_prefer_v1_model_runner_sets_the_variable_unless_the_caller_did(monkeypa
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None  # (collected without vllm too)
-                    and importlib.util.find_spec("vllm.v1.worker.gpu.sample.logits_processor") is None,
-                    reason="this vLLM has no Model Runner V2 logits processors")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None  # (collected without vllm too)
+    and importlib.util.find_spec("vllm.v1.worker.gpu.sample.logits_processor") is None,
+    reason="this vLLM has no Model Runner V2 logits processors",
+)
 def test_model_runner_v2_would_refuse_the_capture_processor(vlm):
     # Why the V1 runner is asked for: V2's loader takes only its own processor type, and
     # the engine read the setting start_engine made while it was built (False also without
@@ -496,7 +580,10 @@ def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects
 
     forward = inspect.getsource(Sampler.forward)
     assert forward.index("apply_logits_processors(") < forward.index("self.sample(")
-    assert list(inspect.signature(Sampler.sample).parameters)[1:3] == ["logits", "sampling_metadata"]
+    assert list(inspect.signature(Sampler.sample).parameters)[1:3] == [
+        "logits",
+        "sampling_metadata",
+    ]
     assert "self._to_list(sampled_token_ids)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
     engine = vlm.llm.llm_engine
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
@@ -507,12 +594,16 @@ def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("forced", [
-    [(0, 3), (1, 5), (2, 7), (3, 0)],  # every row of the step (lockstep)
-    [(1, 3), (2, 9)],  # a contiguous part
-    [(0, 1), (2, 4), (3, 4)],  # gapped
-    [(3, 6)],  # one row
-], ids=["all", "part", "gapped", "one"])
+@pytest.mark.parametrize(
+    "forced",
+    [
+        [(0, 3), (1, 5), (2, 7), (3, 0)],  # every row of the step (lockstep)
+        [(1, 3), (2, 9)],  # a contiguous part
+        [(0, 1), (2, 4), (3, 4)],  # gapped
+        [(3, 6)],  # one row
+    ],
+    ids=["all", "part", "gapped", "one"],
+)
 def test_forcing_leaves_exactly_the_forced_token_possible(forced, dtype):
     """Against a row-by-row reference: forced rows are -inf but for a 0 at the token, other
     rows are untouched."""
@@ -568,7 +659,14 @@ def test_a_request_with_an_output_token_is_no_longer_captured():
     tag = sink.new_tag()
     proc = LogprobsCaptureProcessor(None, torch.device("cpu"), False)
     output_ids: list[int] = []
-    proc.update_state(BatchUpdate(1, removed=[], added=[(0, SamplingParams(extra_args=sink.extra_args(tag)), [1], output_ids)], moved=[]))
+    proc.update_state(
+        BatchUpdate(
+            1,
+            removed=[],
+            added=[(0, SamplingParams(extra_args=sink.extra_args(tag)), [1], output_ids)],
+            moved=[],
+        )
+    )
     first = torch.randn(1, 5)
     proc.apply(first)
     output_ids.append(3)  # the engine sampled the prompt's next token
@@ -584,7 +682,9 @@ def test_engine_shutdown_still_ends_with_the_process_wide_teardown_we_suspend():
 
 
 @pytest.mark.parametrize("reuse_previous", [False, True], ids=["process_inputs", "from_previous"])
-def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_reference, reuse_previous):
+def test_a_streaming_session_appends_chunks_to_its_parked_request(
+    vlm, hf_reference, reuse_previous
+):
     """The session route (internals.add_session_chunk) on the raw engine: a chunk of
     ``max_tokens=1`` parks the request with its KV, the next chunk is prefilled alone (the
     throwaway token is dropped, the prompt is not doubled) and its row is the row of the
@@ -606,7 +706,10 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(vlm, hf_refere
         tag = sink.new_tag()
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=sink.extra_args(tag))
         added = internals.add_session_chunk(engine, request_id, chunk, params, None, previous)
-        assert added.prompt_token_ids == chunk and added.sampling_params.extra_args == params.extra_args
+        assert (
+            added.prompt_token_ids == chunk
+            and added.sampling_params.extra_args == params.extra_args
+        )
         previous = added if reuse_previous else None
         for _ in range(10):
             outputs = engine.step()
@@ -679,14 +782,16 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
+    from genlm_backend.llm.row_ring import RowRing
     from genlm_backend.llm.vllm import capture as vllm_capture
     from genlm_backend.llm.vllm import remote_rows
-    from genlm_backend.llm.row_ring import RowRing
 
     sink = vllm_capture.CaptureSink()
     tags = [sink.new_tag() for _ in range(3)]
     proc = vllm_capture.LogprobsCaptureProcessor(None, torch.device("cpu"), False)
-    added = [(i, SamplingParams(extra_args=sink.extra_args(tag)), [1], []) for i, tag in enumerate(tags)]
+    added = [
+        (i, SamplingParams(extra_args=sink.extra_args(tag)), [1], []) for i, tag in enumerate(tags)
+    ]
     proc.update_state(BatchUpdate(3, removed=[], added=added, moved=[]))
     ring = RowRing(torch.zeros(8, 10), max_rows=2)
     remote = remote_rows.RemoteRows(lambda n: np.zeros(n, dtype=bool), ring)
@@ -707,7 +812,9 @@ def test_remote_rows_go_through_the_ring_and_read_back_as_their_log_softmax():
     expected = torch.log_softmax(logits, -1)
     remote_rows.deliver_remote(pickle.loads(pickle.dumps(in_ring)), ring)
     ring.rows.zero_()  # what the sinks got are copies
-    assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(sink.take(tags[1]), expected[1])
+    assert torch.allclose(sink.take(tags[0]), expected[0]) and torch.allclose(
+        sink.take(tags[1]), expected[1]
+    )
 
 
 def test_underlying_model_is_the_torch_module_the_engine_runs(vlm, hf_reference):
@@ -715,7 +822,9 @@ def test_underlying_model_is_the_torch_module_the_engine_runs(vlm, hf_reference)
     ``internals.model_module`` finds it; vLLM moving it fails here, not in users' hooks."""
     from genlm_backend.llm.vllm import internals
 
-    runner = vlm.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = (
+        vlm.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    )
     module = vlm.underlying_model
     assert isinstance(module, torch.nn.Module) and module is runner.get_model()
     assert internals.model_module(vlm.llm) is module
@@ -738,7 +847,8 @@ def test_model_module_names_why_the_model_is_not_in_this_process():
     with pytest.raises(RuntimeError, match="engine core in another process"):
         internals.model_module(mp_engine_core)
     workers = types.SimpleNamespace(model_executor=types.SimpleNamespace(workers=[]))
-    elsewhere = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=types.SimpleNamespace(
-        engine_core=workers)))
+    elsewhere = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_core=workers))
+    )
     with pytest.raises(RuntimeError, match="workers are other processes"):
         internals.model_module(elsewhere)

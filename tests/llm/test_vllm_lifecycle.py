@@ -58,7 +58,9 @@ def test_sync_context_manager_cleans_up(vllm_lm):
 
 
 @pytest.mark.slow
-async def test_speculative_decoding_samples_and_lists_exact_rows(vllm_lm, tiny_model_dirs, hf_reference):
+async def test_speculative_decoding_samples_and_lists_exact_rows(
+    vllm_lm, tiny_model_dirs, hf_reference
+):
     """``speculative_config`` reaches vLLM (the tiny model drafts for itself: no other weights
     needed). Greedy sampling with drafts gives the tokens the same weights give without them
     (the shared engine is the reference). vLLM refuses the capture processor alongside
@@ -73,8 +75,13 @@ async def test_speculative_decoding_samples_and_lists_exact_rows(vllm_lm, tiny_m
 
     base = str(tiny_model_dirs["base"])
     prompts = [[5, 900, 31000, 5, 900, 31000, 5], *prompts_of([1, 40, 90], seed=3)]
-    opts = {"dtype": "float32", "max_model_len": 128, "seed": 0, **GPU_ENGINE_OPTS,
-            "speculative_config": {"method": "draft_model", "model": base, "num_speculative_tokens": 2}}
+    opts = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "seed": 0,
+        **GPU_ENGINE_OPTS,
+        "speculative_config": {"method": "draft_model", "model": base, "num_speculative_tokens": 2},
+    }
     lm = AsyncVirtualLM.from_name(base, engine_opts=opts)
     try:
         assert lm.llm.llm_engine.vllm_config.speculative_config is not None
@@ -123,12 +130,14 @@ def test_a_failed_from_name_shuts_down_the_engine_it_started(tiny_model_dirs, mo
     threads, registered = _engine_threads(), set(internals.engine_core._LIVE_ENGINES)
     with pytest.raises(TypeError, match="sessions must be"):
         AsyncVirtualLM.from_name(
-            str(tiny_model_dirs["base"]), engine_opts={"dtype": "float32", "max_model_len": 128, **GPU_ENGINE_OPTS},
+            str(tiny_model_dirs["base"]),
+            engine_opts={"dtype": "float32", "max_model_len": 128, **GPU_ENGINE_OPTS},
             sessions="many",
         )
     assert len(started) == 1
     assert _engine_threads() == threads
-    assert set(internals.engine_core._LIVE_ENGINES) == registered  # not counted among the live engines
+    # not counted among the live engines
+    assert set(internals.engine_core._LIVE_ENGINES) == registered
     gc.collect()
     assert started[0]() is None  # nothing holds the engine: its weights and KV cache are freed
 
@@ -170,8 +179,13 @@ async def test_a_lockstep_run_leaves_the_callers_thread_and_process_settings_as_
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     def settings():
-        return (os.sched_getaffinity(0), torch.get_num_threads(), sys.getswitchinterval(), gc.get_threshold(),
-                gc.isenabled())
+        return (
+            os.sched_getaffinity(0),
+            torch.get_num_threads(),
+            sys.getswitchinterval(),
+            gc.get_threshold(),
+            gc.isenabled(),
+        )
 
     with pytest.raises(TypeError, match="share_core"):
         AsyncVirtualLM(vlm.llm, share_core=True)

@@ -36,7 +36,10 @@ pytestmark = [
 
 def assert_rows_match(calls, rows, reference) -> None:
     """Each row within ``ROW_ATOL`` of its reference; names every row that is not."""
-    diffs = [(row.cpu() - reference(name, prompt)).abs().max().item() for (prompt, name), row in zip(calls, rows)]
+    diffs = [
+        (row.cpu() - reference(name, prompt)).abs().max().item()
+        for (prompt, name), row in zip(calls, rows)
+    ]
     wrong = [(i, calls[i][1], round(d, 4)) for i, d in enumerate(diffs) if not d <= ROW_ATOL]
     assert not wrong, f"rows (index, adapter, max abs diff) off their references: {wrong}"
 
@@ -67,7 +70,9 @@ async def test_mixed_batches_match_their_references(lora_vlm, lora_reference, se
     lora_vlm.set_sessions(sessions)
     calls = MIXES[mix]
     batches_before = lora_vlm.stats()["num_batches"]
-    rows = await asyncio.gather(*(lora_vlm.next_token_logprobs(p, lora_name=name) for p, name in calls))
+    rows = await asyncio.gather(
+        *(lora_vlm.next_token_logprobs(p, lora_name=name) for p, name in calls)
+    )
     assert lora_vlm.stats()["num_batches"] == batches_before + 1
     assert_rows_match(calls, rows, lora_reference)
 
@@ -80,7 +85,9 @@ async def test_mixed_lockstep_steps_match_their_references(lora_vlm, lora_refere
     names = [None, "a", "b", None, "a"]
     contexts = [list(c) for c in prompts_of([5, 5, 9, 12, 7], seed=71)]
     for _ in range(4):
-        rows = await asyncio.gather(*(lora_vlm.next_token_logprobs(c, lora_name=n) for c, n in zip(contexts, names)))
+        rows = await asyncio.gather(
+            *(lora_vlm.next_token_logprobs(c, lora_name=n) for c, n in zip(contexts, names))
+        )
         assert_rows_match(list(zip(contexts, names)), rows, lora_reference)
         contexts = [c + [int(row.argmax())] for c, row in zip(contexts, rows)]
     if sessions:  # the later steps continued held sessions of every adapter
@@ -104,13 +111,17 @@ def assert_removal_outcome(calls, results, reference, may_succeed: bool) -> None
 
 
 @pytest.mark.parametrize("sessions", [True, False], ids=["sessions", "no-sessions"])
-async def test_removing_an_adapter_fails_only_its_queued_requests(lora_vlm, lora_reference, sessions):
+async def test_removing_an_adapter_fails_only_its_queued_requests(
+    lora_vlm, lora_reference, sessions
+):
     """The adapter goes between the requests' submission (validated, queued) and their
     batch's evaluation."""
     lora_vlm.set_sessions(sessions)
     await lora_vlm.next_token_logprobs(P, lora_name="a")  # a live session of ``a`` (sessions on)
     batches_before = lora_vlm.stats()["num_batches"]
-    tasks = [asyncio.ensure_future(lora_vlm.next_token_logprobs(p, lora_name=n)) for p, n in REMOVAL_MIX]
+    tasks = [
+        asyncio.ensure_future(lora_vlm.next_token_logprobs(p, lora_name=n)) for p, n in REMOVAL_MIX
+    ]
     await asyncio.sleep(0)  # every request is validated and queued; the batch starts after this
     lora_vlm.remove_lora("a")  # blocks the loop: the batch cannot start meanwhile
     assert lora_vlm.stats()["num_batches"] == batches_before
@@ -122,7 +133,9 @@ async def test_removing_an_adapter_fails_only_its_queued_requests(lora_vlm, lora
 
 
 @pytest.mark.parametrize("sessions", [True, False], ids=["sessions", "no-sessions"])
-async def test_removing_an_adapter_while_its_batch_waits_for_the_engine(lora_vlm, lora_reference, sessions):
+async def test_removing_an_adapter_while_its_batch_waits_for_the_engine(
+    lora_vlm, lora_reference, sessions
+):
     """The batch is on the engine thread's queue (behind other engine work) when the adapter
     is removed: its requests of ``a`` run before the removal or fail with a clear error; the
     others are exact either way, and the adapter is gone from the engine afterwards."""
@@ -132,7 +145,10 @@ async def test_removing_an_adapter_while_its_batch_waits_for_the_engine(lora_vlm
     assert started.wait(60)
     try:
         batches_before = lora_vlm.stats()["num_batches"]
-        tasks = [asyncio.ensure_future(lora_vlm.next_token_logprobs(p, lora_name=n)) for p, n in REMOVAL_MIX]
+        tasks = [
+            asyncio.ensure_future(lora_vlm.next_token_logprobs(p, lora_name=n))
+            for p, n in REMOVAL_MIX
+        ]
         while lora_vlm.stats()["num_batches"] == batches_before:  # handed to the engine thread
             await asyncio.sleep(0.001)
         removal = threading.Thread(target=lora_vlm.remove_lora, args=("a",))
@@ -159,7 +175,8 @@ async def test_a_sample_queued_behind_the_removal_of_its_adapter_fails(lora_vlm)
     try:
         sample = asyncio.ensure_future(lora_vlm.sample(P, 3, [], seed=0, lora_name="a"))
         base = asyncio.ensure_future(lora_vlm.sample(P, 3, [], seed=0))
-        await asyncio.sleep(0)  # the jobs are made (with their adapters); their batch is not sent yet
+        # the jobs are made (with their adapters); their batch is not sent yet
+        await asyncio.sleep(0)
         removal = threading.Thread(target=lora_vlm.remove_lora, args=("a",))
         removal.start()
         while not lora_vlm._engine_thread._queue:  # the removal waits for the engine thread first

@@ -30,7 +30,9 @@ async def lockstep(vlm, contexts, num_steps, lora_name=None):
     """Every context takes its greedy token each step; returns the contexts and their rows."""
     rows = []
     for _ in range(num_steps):
-        rows = await asyncio.gather(*(vlm.next_token_logprobs(c, lora_name=lora_name) for c in contexts))
+        rows = await asyncio.gather(
+            *(vlm.next_token_logprobs(c, lora_name=lora_name) for c in contexts)
+        )
         contexts = [c + [int(r.argmax())] for c, r in zip(contexts, rows)]
     return [c[:-1] for c in contexts], rows
 
@@ -68,7 +70,8 @@ async def test_lockstep_steps_continue_held_sessions_without_re_adding_them(vlm,
     after = sessions(vlm)
     assert after["num_opened"] - before["num_opened"] == 3
     assert after["num_continued"] - before["num_continued"] == 12
-    assert vlm.stats()["engine"]["num_steps"] - engine["num_steps"] == 5  # one engine step per lockstep step
+    # one engine step per lockstep step
+    assert vlm.stats()["engine"]["num_steps"] - engine["num_steps"] == 5
     # Steps 2-5 force every row: their tokens are the sample, without vLLM's sampler.
     assert vlm.stats()["engine"]["num_forced_steps"] - engine["num_forced_steps"] == 4
 
@@ -146,9 +149,11 @@ async def test_parked_sessions_stay_out_of_the_schedulers_walk(vlm, hf_reference
 
     scheduler = _scheduler(vlm.llm.llm_engine)
     assert installed_on(scheduler).get("parked_bypass")
-    name = next((n for n in ("_handle_blocked_waiting_request", "_try_promote_blocked_waiting_request")
-                 if hasattr(scheduler, n)), None)
-    assert name is not None, "vLLM's scheduler has neither blocked-request check this test counts through"
+    checks = ("_handle_blocked_waiting_request", "_try_promote_blocked_waiting_request")
+    name = next((n for n in checks if hasattr(scheduler, n)), None)
+    assert name is not None, (
+        "vLLM's scheduler has neither blocked-request check this test counts through"
+    )
     looked_at = []
     check = getattr(scheduler, name)
 
@@ -194,7 +199,9 @@ async def test_resampled_duplicates_share_a_context_and_diverge(vlm, hf_referenc
     assert sessions(vlm)["num_extended"] - extended == 3
 
 
-async def test_new_sessions_are_built_on_an_earlier_sessions_request(vlm, hf_reference, monkeypatch):
+async def test_new_sessions_are_built_on_an_earlier_sessions_request(
+    vlm, hf_reference, monkeypatch
+):
     """vLLM's input processing (prompt rendering, parameter checks; most of the cost of a
     fork after resampling) runs for a backend's first session of an adapter only: later new
     sessions copy that session's engine request, with their own id and context."""
@@ -306,7 +313,9 @@ async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(vlm, 
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
     nxt = [c + [9] for c in contexts]
-    results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True)
+    results = await asyncio.gather(
+        *(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True
+    )
     assert all(isinstance(r, EngineError) for r in results)
     assert sessions(vlm)["num_live"] == 0
     vlm._runner.before_attempt = None
@@ -331,7 +340,9 @@ async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypa
 
     monkeypatch.setattr(internals, "add_session_chunk", refuse)
     nxt = [c + [11] for c in contexts]
-    results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True)
+    results = await asyncio.gather(
+        *(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True
+    )
     assert isinstance(results[1], InvalidRequestError)
     for i in (0, 2):
         assert_matches(results[i], hf_reference("base", nxt[i]))
@@ -362,7 +373,9 @@ async def test_sessions_are_kept_apart_per_adapter(vlm, hf_reference, tiny_model
     vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
     context = prompts_of([8], seed=38)[0]
     for step in range(3):
-        base, lora = await asyncio.gather(vlm.next_token_logprobs(context), vlm.next_token_logprobs(context, "ad"))
+        base, lora = await asyncio.gather(
+            vlm.next_token_logprobs(context), vlm.next_token_logprobs(context, "ad")
+        )
         assert_matches(base, hf_reference("base", context))
         assert_matches(lora, hf_reference("merged", context))
         context = context + [int(base.argmax())]
@@ -377,7 +390,9 @@ def test_close_sessions_lets_the_engine_be_driven_directly(vlm):
     vlm.next_token_logprobs_sync(prompts_of([6], seed=39)[0])
     assert vlm.close_sessions() >= 1
     llm = vlm.llm
-    out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
+    out = llm.generate(
+        [TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 2
 
 
@@ -484,7 +499,8 @@ async def test_a_continued_session_whose_row_never_comes_fails_only_its_caller(v
     try:
         nxt = [c + [31] for c in final]
         results = await asyncio.wait_for(
-            asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True), timeout=120
+            asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True),
+            timeout=120,
         )
     finally:
         del pool.plan
@@ -576,11 +592,14 @@ class FakeSteps:
         return contexts
 
 
-@pytest.mark.parametrize("num_contexts, batch_size, warns", [
-    (4, 4, False),  # as many contexts as sessions, moving to new ones
-    (8, 8, True),  # more contexts than sessions in one batch
-    (8, 4, True),  # more contexts than sessions over two batches a step
-])
+@pytest.mark.parametrize(
+    "num_contexts, batch_size, warns",
+    [
+        (4, 4, False),  # as many contexts as sessions, moving to new ones
+        (8, 8, True),  # more contexts than sessions in one batch
+        (8, 4, True),  # more contexts than sessions over two batches a step
+    ],
+)
 def test_the_crowding_warning_counts_contexts_extended_at_once(num_contexts, batch_size, warns):
     steps = FakeSteps(capacity=4)
     contexts = [[i, 100 + i] for i in range(num_contexts)]

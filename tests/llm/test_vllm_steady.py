@@ -62,7 +62,9 @@ async def test_lockstep_steps_after_the_first_three_are_steady_and_exact(vlm, hf
     assert steady >= 5 and updates >= 4, (steady, general, updates)
 
 
-async def test_sessions_that_park_fork_and_resume_between_steady_steps_stay_exact(vlm, hf_reference):
+async def test_sessions_that_park_fork_and_resume_between_steady_steps_stay_exact(
+    vlm, hf_reference
+):
     # Every third step the particles resample: some contexts are dropped (their sessions
     # park), others duplicated (new sessions from a shared context); a dropped one comes back.
     dropped = []
@@ -102,7 +104,9 @@ async def test_a_plain_request_beside_held_sessions_takes_vllms_steps(vlm, hf_re
     before = counts(vlm)
     # A sampling request runs beside the held sessions for a few steps.
     samples, _ = await asyncio.gather(
-        vlm.batch_sample([prompts_of([12], seed=45)[0]], max_tokens=4, eos_token_ids=[], temperature=1.0, seed=3),
+        vlm.batch_sample(
+            [prompts_of([12], seed=45)[0]], max_tokens=4, eos_token_ids=[], temperature=1.0, seed=3
+        ),
         run(vlm, hf_reference, contexts, 4),
     )
     assert len(samples[0]) == 4
@@ -128,12 +132,25 @@ def test_engines_the_steady_path_was_not_checked_on_keep_vllms_steps():
             pass
 
         made = Scheduler()
-        made.kv_cache_config = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec())])
-        made.scheduler_config = types.SimpleNamespace(async_scheduling=config.get("async_scheduling", False))
+        made.kv_cache_config = types.SimpleNamespace(
+            kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec())]
+        )
+        made.scheduler_config = types.SimpleNamespace(
+            async_scheduling=config.get("async_scheduling", False)
+        )
         made.log_stats = config.get("log_stats", False)
-        for name in ("running", "requests", "waiting", "finished_req_ids", "reset_preempted_req_ids",
-                     "current_step", "max_model_len", "max_num_scheduled_tokens",
-                     "num_waiting_for_streaming_input", "_update_after_schedule"):
+        for name in (
+            "running",
+            "requests",
+            "waiting",
+            "finished_req_ids",
+            "reset_preempted_req_ids",
+            "current_step",
+            "max_model_len",
+            "max_num_scheduled_tokens",
+            "num_waiting_for_streaming_input",
+            "_update_after_schedule",
+        ):
             setattr(made, name, None)
         made.kv_cache_manager = types.SimpleNamespace()
         made.schedule = made.update_from_output = lambda *a: None
@@ -141,6 +158,9 @@ def test_engines_the_steady_path_was_not_checked_on_keep_vllms_steps():
 
     assert install_steady_steps(engine_with(scheduler(FullAttentionSpec))) is not None
     assert install_steady_steps(engine_with(scheduler(SlidingWindowSpec))) is None
-    assert install_steady_steps(engine_with(scheduler(FullAttentionSpec, async_scheduling=True))) is None
+    assert (
+        install_steady_steps(engine_with(scheduler(FullAttentionSpec, async_scheduling=True)))
+        is None
+    )
     assert install_steady_steps(engine_with(scheduler(FullAttentionSpec, log_stats=True))) is None
     assert install_steady_steps(types.SimpleNamespace(engine_core=None)) is None

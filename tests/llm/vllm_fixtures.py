@@ -37,7 +37,9 @@ ENGINE_OPTS = {
 }
 
 # On a GPU machine several small engines share one device, and compiling is wasted.
-GPU_ENGINE_OPTS = {"gpu_memory_utilization": 0.15, "enforce_eager": True} if torch.cuda.is_available() else {}
+GPU_ENGINE_OPTS = (
+    {"gpu_memory_utilization": 0.15, "enforce_eager": True} if torch.cuda.is_available() else {}
+)
 ENGINE_OPTS.update(GPU_ENGINE_OPTS)
 
 
@@ -87,8 +89,15 @@ def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
         model.lm_head.weight.mul_(20.0)
 
     return save_random_llama(
-        folder, LlamaTokenizer.from_pretrained(str(folder)), hidden_size=128, intermediate_size=256,
-        num_attention_heads=2, num_key_value_heads=1, max_positions=MAX_MODEL_LEN, seed=seed, adjust=sharpen,
+        folder,
+        LlamaTokenizer.from_pretrained(str(folder)),
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_positions=MAX_MODEL_LEN,
+        seed=seed,
+        adjust=sharpen,
     )
 
 
@@ -99,7 +108,9 @@ def build_lora(base: Path, adapter_dir: Path, merged_dir: Path, seed: int = 1) -
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0
+    )
     peft_model = get_peft_model(model, config)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -109,7 +120,12 @@ def build_lora(base: Path, adapter_dir: Path, merged_dir: Path, seed: int = 1) -
     peft_model.save_pretrained(str(adapter_dir))
     merged = peft_model.merge_and_unload()
     merged.save_pretrained(str(merged_dir))
-    for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
+    for name in (
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.json",
+    ):
         if (base / name).exists():
             shutil.copy(base / name, merged_dir / name)
             shutil.copy(base / name, adapter_dir / name)

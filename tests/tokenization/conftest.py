@@ -6,8 +6,8 @@ import functools
 
 import pytest
 
-from genlm_backend.tokenization import decode_vocab  # noqa: E402
-from tests.real_tokenizers import load_tokenizer  # noqa: E402
+from genlm_backend.tokenization import decode_vocab
+from tests.real_tokenizers import load_tokenizer
 
 
 @functools.cache

@@ -52,7 +52,7 @@ def test_behaves_as_its_bytes(token_id, data):
 def test_tokens_compare_and_hash_by_id_only(token_id, data_a, data_b):
     a = Token(token_id=token_id, byte_string=data_a)
     b = Token(token_id=token_id, byte_string=data_b)
-    assert a == b and not (a != b)
+    assert a == b and not (a != b)  # noqa: SIM202 - tests the operator itself
     assert hash(a) == hash(b) == hash(token_id)
     assert len({a, b}) == 1
 
@@ -61,7 +61,7 @@ def test_tokens_compare_and_hash_by_id_only(token_id, data_a, data_b):
 def test_distinct_ids_with_equal_bytes_stay_distinct(token_id, data):
     a = Token(token_id=token_id, byte_string=data)
     b = Token(token_id=token_id + 1, byte_string=data)
-    assert a != b and not (a == b)
+    assert a != b and not (a == b)  # noqa: SIM201 - tests the operator itself
     assert len({a, b}) == 2
     counts = {a: "first", b: "second"}
     assert counts[Token(token_id, b"other bytes")] == "first"
@@ -71,7 +71,7 @@ def test_distinct_ids_with_equal_bytes_stay_distinct(token_id, data):
 def test_against_plain_bytes_compares_content(token_id, data, other):
     token = Token(token_id=token_id, byte_string=data)
     assert token == data and data == token
-    assert not (token != data) and not (data != token)
+    assert not (token != data) and not (data != token)  # noqa: SIM202 - tests the operator itself
     assert (token == other) == (data == other)
     assert (token != other) == (data != other)
     assert token == bytearray(data)
@@ -114,8 +114,8 @@ def test_ordering_against_non_bytes_is_a_type_error():
 
 def test_never_equal_to_non_bytes():
     token = Token(token_id=3, byte_string=b"3")
-    assert token != "3" and token != 3 and token != None  # noqa: E711
-    assert not (token == "3")
+    assert token != "3" and token != 3 and token != None
+    assert not (token == "3")  # noqa: SIM201 - tests the operator itself
 
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))

@@ -34,7 +34,10 @@ def test_eos_as_an_int_a_list_an_array_or_a_tensor():
     torch = pytest.importorskip("torch")
     want = replace_prefix_tokens(MODEL_PREFIX, TEMPLATE_PREFIX, TEMPLATE, eos_token_ids=2)
     for eos in ([2], (2,), {2, 7}, np.int64(2), np.array([2, 7]), torch.tensor(2), [7, 2]):
-        assert replace_prefix_tokens(MODEL_PREFIX, TEMPLATE_PREFIX, TEMPLATE, eos_token_ids=eos) == want
+        assert (
+            replace_prefix_tokens(MODEL_PREFIX, TEMPLATE_PREFIX, TEMPLATE, eos_token_ids=eos)
+            == want
+        )
     arrays = [np.array(x) for x in (MODEL_PREFIX, TEMPLATE_PREFIX, TEMPLATE)]
     assert replace_prefix_tokens(*arrays, eos_token_ids=2) == want
 
@@ -49,7 +52,9 @@ def test_several_eos_ids_keep_the_models_own_eos():
 
 def test_the_template_may_shorten_or_lengthen_the_models_message():
     shorter = replace_prefix_tokens([1, 5, 6, 7, 2], [1, 8, 2], [1, 8, 2, 3, 4], eos_token_ids=2)
-    longer = replace_prefix_tokens([1, 8, 2], [1, 5, 6, 7, 2], [1, 5, 6, 7, 2, 3, 4], eos_token_ids=2)
+    longer = replace_prefix_tokens(
+        [1, 8, 2], [1, 5, 6, 7, 2], [1, 5, 6, 7, 2, 3, 4], eos_token_ids=2
+    )
     assert shorter == [1, 5, 6, 7, 2, 3, 4]
     assert longer == [1, 8, 2, 3, 4]
 
@@ -129,7 +134,9 @@ def conversations(draw):
 def template_ids(turns, upto, tail=()):
     """What a template writes for the first ``upto`` turns: each header, the template's own
     ids for the answer, the EOS and the separator."""
-    return [t for header, _, written in turns[:upto] for t in (*header, *written, EOS, SEP)] + list(tail)
+    return [t for header, _, written in turns[:upto] for t in (*header, *written, EOS, SEP)] + list(
+        tail
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -155,6 +162,7 @@ def test_turn_after_turn_every_answer_keeps_the_models_ids(conversation):
 
 # ---- a real chat template: SmolLM2's ------------------------------------------------------
 
+
 def test_a_real_chat_template_round_trip():
     """SmolLM2's template closes each message with <|im_end|> (the EOS, 2) and a newline. The
     model wrote " Paris" as " Par" + "is"; the template writes it as one token. The spliced
@@ -169,7 +177,9 @@ def test_a_real_chat_template_round_trip():
     question = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = ids(question, add_generation_prompt=True)
     produced = [*tokenizer.encode(" Par"), *tokenizer.encode("is"), eos]
-    assert tokenizer.decode(produced[:-1]) == " Paris" and tokenizer.encode(" Paris") != produced[:-1]
+    assert (
+        tokenizer.decode(produced[:-1]) == " Paris" and tokenizer.encode(" Paris") != produced[:-1]
+    )
     answered = [*question, {"role": "assistant", "content": tokenizer.decode(produced[:-1])}]
     follow_up = [*answered, {"role": "user", "content": "And of Germany?"}]
     template_prefix = ids(answered)

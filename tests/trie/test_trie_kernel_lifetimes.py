@@ -21,7 +21,9 @@ import pytest
 
 from genlm_backend.trie import _compiled
 
-pytestmark = pytest.mark.skipif(_compiled.KERNEL is None, reason="the compiled trie kernel was not built")
+pytestmark = pytest.mark.skipif(
+    _compiled.KERNEL is None, reason="the compiled trie kernel was not built"
+)
 
 REPEATS = 400
 # What repeats may keep at most whatever the path: allocator caches and the interpreter's own
@@ -88,7 +90,8 @@ def run_case(fn, args, error):
         else:
             assert error is None
 
-    watched = [a for a in args if isinstance(a, (np.ndarray, list))]  # not shared ints, strings, None
+    # not shared ints, strings, None
+    watched = [a for a in args if isinstance(a, (np.ndarray, list))]
     refs = [sys.getrefcount(a) for a in watched]
     call()
     assert [sys.getrefcount(a) for a in watched] == refs
@@ -97,7 +100,9 @@ def run_case(fn, args, error):
     assert [sys.getrefcount(a) for a in watched] == refs
 
 
-@pytest.mark.parametrize("args, error", [c[1:] for c in plan_cases()], ids=[c[0] for c in plan_cases()])
+@pytest.mark.parametrize(
+    "args, error", [c[1:] for c in plan_cases()], ids=[c[0] for c in plan_cases()]
+)
 def test_making_a_plan_keeps_nothing_on_any_path(args, error):
     run_case(_compiled.KERNEL.Plan, args, error)
 
@@ -126,7 +131,9 @@ def reduce_cases():
     ]
 
 
-@pytest.mark.parametrize("index", range(len(reduce_cases()[1])), ids=[c[0] for c in reduce_cases()[1]])
+@pytest.mark.parametrize(
+    "index", range(len(reduce_cases()[1])), ids=[c[0] for c in reduce_cases()[1]]
+)
 def test_reducing_keeps_nothing_on_any_path(index):
     plan, cases = reduce_cases()
     _, args, error = cases[index]

@@ -77,8 +77,9 @@ def test_identical_bytes_keep_separate_leaves():
     x = trie.children[trie.root][ord("x")]
     assert list(trie.children[x]) == [(None, 0), (None, 1), (None, 2), (None, 3)]
     assert trie.num_nodes == 2 + 4
-    assert trie.word2leaf[b"x"] == trie.children[x][(None, 0)]  # plain bytes: the first of the repeats
-    assert trie.word2leaf[(b"x", 5)] == trie.children[x][(None, 2)]  # a Token: the first of the repeats
+    # plain bytes, then a Token: the first of the repeats
+    assert trie.word2leaf[b"x"] == trie.children[x][(None, 0)]
+    assert trie.word2leaf[(b"x", 5)] == trie.children[x][(None, 2)]
 
 
 def test_children_behaves_like_a_list_of_dicts():
@@ -136,5 +137,9 @@ def test_a_set_sampler_finds_every_leaf_as_genlm_control_looks_it_up(cls):
     eos = EndOfSequence()
     vocab = [b"0", b"ab", Token(token_id=9, byte_string=b"a"), b"", eos]
     trie = cls(vocab)
-    found = {trie.word2leaf[word_key(item, i)]: i for i, item in enumerate(vocab) if word_key(item, i) in trie.word2leaf}
+    found = {
+        trie.word2leaf[word_key(item, i)]: i
+        for i, item in enumerate(vocab)
+        if word_key(item, i) in trie.word2leaf
+    }
     assert found == {trie.first_leaf + i: i for i in range(len(vocab))}

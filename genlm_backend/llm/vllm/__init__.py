@@ -1,17 +1,18 @@
 """The vLLM backend, :class:`AsyncVirtualLM`.
 
-:mod:`.virtual_lm` is the class (with :mod:`.logprobs`, :mod:`.lora_requests` and :mod:`.engine_sampling`, its
-mixins); :mod:`.runner` steps the engine on the engine thread; :mod:`.capture` and
-:mod:`.forcing` run inside the engine step; :mod:`.session_pool` keeps requests alive as engine
-sessions; :mod:`.startup` builds the engine; :mod:`genlm_backend.llm.row_ring` carries rows from worker
-processes. :mod:`.internals` is the seam: the one package that touches vLLM's private parts.
+:mod:`.virtual_lm` is the class (with :mod:`.logprobs`, :mod:`.lora_requests` and
+:mod:`.engine_sampling`, its mixins); :mod:`.runner` steps the engine on the engine thread;
+:mod:`.capture` and :mod:`.forcing` run inside the engine step; :mod:`.session_pool` keeps
+requests alive as engine sessions; :mod:`.startup` builds the engine;
+:mod:`genlm_backend.llm.row_ring` carries rows from worker processes. :mod:`.internals` is the
+seam: the one package that touches vLLM's private parts.
 Importing this package imports no part of vllm (which is imported when an engine is built
 or wrapped), and works without vllm installed (the class can then be named, not used).
 """
 
 from __future__ import annotations
 
-from .virtual_lm import DEFAULT_ENGINE_OPTS, AsyncVirtualLM
 from .logprobs import listing_refusal
+from .virtual_lm import DEFAULT_ENGINE_OPTS, AsyncVirtualLM
 
 __all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS", "listing_refusal"]
