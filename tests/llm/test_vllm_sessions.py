@@ -14,7 +14,14 @@ import warnings
 
 import pytest
 import torch
-from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora, prompts_of
+from vllm_fixtures import (
+    assert_matches,
+    assert_same_rows,
+    before_each_attempt,
+    cpu_lora,
+    engine_broke,
+    prompts_of,
+)
 
 from genlm_backend.exceptions import EngineError, InvalidRequestError
 from genlm_backend.llm.prompts import LogprobsRequest
@@ -300,15 +307,18 @@ async def test_more_particles_than_engine_slots_still_make_progress(vlm, hf_refe
     assert len(await asyncio.wait_for(vlm.sample(contexts[0], 4, [], seed=0), timeout=60)) == 4
 
 
-async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(vlm, hf_reference):
+async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(
+    vlm, hf_reference, monkeypatch
+):
     contexts = prompts_of([5, 6], seed=35)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
-    vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
     nxt = [c + [9] for c in contexts]
-    results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True)
+    with monkeypatch.context() as patch:
+        before_each_attempt(patch, vlm._runner, engine_broke)
+        results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt),
+                                       return_exceptions=True)
     assert all(isinstance(r, EngineError) for r in results)
     assert sessions(vlm)["num_live"] == 0
-    vlm._runner.before_attempt = None
     rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
     for context, row in zip(nxt, rows):
         assert_matches(row, hf_reference("base", context))
