@@ -25,6 +25,7 @@ from vllm_fixtures import (
 
 from genlm_backend.exceptions import EngineError, InvalidRequestError
 from genlm_backend.llm.prompts import LogprobsRequest
+from genlm_backend.llm.vllm.session_pool import SessionStatus
 
 pytestmark = [
     pytest.mark.vllm,
@@ -430,7 +431,7 @@ async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_re
         contexts = prompts_of([5, 8], seed=44)
         await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
         await asyncio.sleep(1.0)  # no next batch, no other engine work: the wait times out
-        assert {s.state for s in vlm._sessions._sessions.values()} == {"parked"}
+        assert {s.status for s in vlm._sessions._sessions.values()} == {SessionStatus.PARKED}
         nxt = [c + [19] for c in contexts]
         rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
         for context, row in zip(nxt, rows):
@@ -499,7 +500,7 @@ async def test_a_continued_session_whose_row_never_comes_fails_only_its_caller(v
         del pool.plan
     assert isinstance(results[0], EngineError)
     assert_matches(results[1], hf_reference("base", nxt[1]))
-    assert victims and victims[0].state == "closed"
+    assert victims and victims[0].status is SessionStatus.CLOSED
     assert_matches(await vlm.next_token_logprobs(nxt[0]), hf_reference("base", nxt[0]))
 
 
@@ -522,9 +523,9 @@ def test_a_held_session_that_cannot_be_parked_stays_closed():
     job.finish = lambda row: setattr(job, "result", row)
     pool.bind(entry, job, tag=1)
     pool.deliver(entry.session, torch.zeros(3))
-    assert entry.session.state == "held"
+    assert entry.session.status is SessionStatus.HELD
     pool.plan([other], None)  # leaves the held session out: parking it closes it
-    assert entry.session.state == "closed" and aborted == [entry.session.request_id]
+    assert entry.session.status is SessionStatus.CLOSED and aborted == [entry.session.request_id]
     assert pool.get(entry.session.request_id) is None and first.kept is None
 
 
@@ -535,8 +536,9 @@ def test_free_parked_closes_the_least_recently_used_parked_sessions_a_batch_does
 
     aborted = []
     pool = SessionPool(aborted.extend, 8)
-    sessions = [Session(f"s{i}", None, state=state) for i, state in
-                enumerate(["parked", "running", "parked", "parked", "parked"])]
+    parked, running = SessionStatus.PARKED, SessionStatus.RUNNING
+    sessions = [Session(f"s{i}", None, status=status) for i, status in
+                enumerate([parked, running, parked, parked, parked])]
     for session in sessions:  # least recently used first
         pool._sessions[session.request_id] = session
     resumes_s2 = SimpleNamespace(stream_id="s2", is_done=False)
@@ -627,7 +629,7 @@ def test_a_closed_session_is_freed_without_the_cycle_collector():
             assert targets[i] is entry.session.deliver
             pool.close(entry.session)
             del entry, job
-        assert not targets and len(pool) == 0
+        assert not targets and pool.stats()["num_live"] == 0
         gc.collect()
         left = [obj for obj in gc.garbage if isinstance(obj, Session)]
     finally:
