@@ -76,7 +76,7 @@ class LogprobsRequest:
         kept: what a backend keeps for this prompt (None until it sets it).
     """
 
-    __slots__ = ("token_ids", "lora_name", "parent", "kept", "_hash")
+    __slots__ = ("_hash", "kept", "lora_name", "parent", "token_ids")
 
     def __init__(
         self,

@@ -20,8 +20,8 @@ import torch
 
 from ...exceptions import EngineError, InvalidRequestError
 from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
-from .kv_cache import accepts_logits_to_keep
 from .forward import Step, make_step, plan_chunks, run_chunk, shared_prefixes
+from .kv_cache import accepts_logits_to_keep
 from .kvtrie import KVTrie
 from .peft_adapters import AdapterMixin
 

@@ -34,13 +34,13 @@ from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
 from ..validation import one_or_many_prompts
 from . import internals, startup
 from .closing import ClosingMixin
-from .runner import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
+from .engine_sampling import SamplingMixin
 from .logprobs import LogprobsMixin
 from .lora_requests import LoRAMixin
-from .engine_sampling import SamplingMixin
+from .runner import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
 from .session_pool import SessionPool
 
-__all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
+__all__ = ["DEFAULT_ENGINE_OPTS", "AsyncVirtualLM"]
 
 DEFAULT_ENGINE_OPTS = {
     "enable_prefix_caching": True,
