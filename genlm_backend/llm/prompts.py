@@ -72,7 +72,7 @@ class LogprobsRequest:
         kept: what a backend keeps for this prompt (None until it sets it).
     """
 
-    __slots__ = ("_hash", "kept", "lora_name", "parent", "token_ids")
+    __slots__ = ("token_ids", "lora_name", "parent", "kept", "_hash")
 
     def __init__(
         self,

@@ -40,7 +40,7 @@ from .lora_requests import LoRAMixin
 from .runner import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
 from .session_pool import SessionPool
 
-__all__ = ["DEFAULT_ENGINE_OPTS", "AsyncVirtualLM"]
+__all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
 
 DEFAULT_ENGINE_OPTS = {
     "enable_prefix_caching": True,
