@@ -25,8 +25,8 @@ sampling, not of the backend, measured apart, so not to be subtracted from the o
 
 The model is a random-weight Llama built from a config (no files are needed: W1 sends token
 ids only, and the backend's tokenizer is a word-level one made in memory, ``id_tokenizer``),
-or a local folder (``--model DIR``, with its tokenizer). Runs with torch, transformers, numpy and cachetools, with the repository
-on ``PYTHONPATH``::
+or a local folder (``--model DIR``, with its tokenizer). Runs with torch, transformers, numpy
+and cachetools, with the repository on ``PYTHONPATH``::
 
     python benchmarks/bench_w1_hf.py --device cpu                  # tiny model, ~2 minutes
     python benchmarks/bench_w1_hf.py --device cuda --preset llama-1b --out DIR
