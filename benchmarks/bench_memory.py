@@ -161,9 +161,10 @@ def measure_fill(
 
 def measure_kv(model: Any, contexts: list[list[int]]) -> dict[str, Any]:
     """The HF backend's key/value trie after evaluating ``contexts`` (no output cache)."""
+    from benchmarks.bench_w1_hf import id_tokenizer
     from genlm_backend.llm.hf import AsyncTransformer
 
-    with AsyncTransformer(model, None, batch_size=CHUNK) as lm:
+    with AsyncTransformer(model, id_tokenizer(model.config.vocab_size), batch_size=CHUNK) as lm:
         before = lm.stats()["kv_cache_bytes"]
         fill(lm, contexts)
         stats = lm.stats()
@@ -191,7 +192,8 @@ def hf_backend(args: argparse.Namespace) -> tuple[Any, Any]:
 
     hf_args = bench_w1_hf.parse_args(["--device", args.device, "--seed", str(args.seed)])
     model = bench_w1_hf.build_model(hf_args)
-    return AsyncTransformer(model, None, batch_size=CHUNK, max_kv_cache_bytes=0), model
+    tokenizer = bench_w1_hf.build_tokenizer(hf_args, model)
+    return AsyncTransformer(model, tokenizer, batch_size=CHUNK, max_kv_cache_bytes=0), model
 
 
 def vllm_backend(args: argparse.Namespace) -> tuple[Any, Any]:

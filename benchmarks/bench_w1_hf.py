@@ -23,10 +23,10 @@ event loop; medians over runs of each run's wall less its own engine time, which
 it) and ``sample_s`` (the N*T one-row samplings alone, timed on stored rows: a cost of W1's
 sampling, not of the backend, measured apart, so not to be subtracted from the others).
 
-The model is a random-weight Llama built from a config (no files and no tokenizer are
-needed: the backend gets token ids only and ``hf_tokenizer=None``), or a local folder
-(``--model DIR``). Runs with torch, transformers, numpy and cachetools, with the repository
-on ``PYTHONPATH``::
+The model is a random-weight Llama built from a config (no files are needed: W1 sends token
+ids only, and the backend's tokenizer is a word-level one made in memory, ``id_tokenizer``),
+or a local folder (``--model DIR``, with its tokenizer). Runs with torch, transformers, numpy
+and cachetools, with the repository on ``PYTHONPATH``::
 
     python benchmarks/bench_w1_hf.py --device cpu                  # tiny model, ~2 minutes
     python benchmarks/bench_w1_hf.py --device cuda --preset llama-1b --out DIR
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import statistics
 import sys
@@ -64,6 +65,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "dtype": "bfloat16", "prompt_len": 128, "steps": 32,
     },
 }  # fmt: skip
+
+
+@functools.cache
+def id_tokenizer(vocab_size: int) -> Any:
+    """A Hugging Face tokenizer made in memory whose token ``i`` is the word ``<i>``: for a
+    random-weight model, whose programs send token ids only."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def build_tokenizer(args: argparse.Namespace, model: Any) -> Any:
+    """The tokenizer of ``--model``, else :func:`id_tokenizer` of the model's vocabulary."""
+    if args.model:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(args.model)
+    return id_tokenizer(model.config.vocab_size)
 
 
 def build_model(args: argparse.Namespace) -> Any:
@@ -211,7 +234,8 @@ def measure(
     opts = (
         {} if args.max_kv_cache_bytes is None else {"max_kv_cache_bytes": args.max_kv_cache_bytes}
     )
-    lm = AsyncTransformer(model, None, batch_size=max(num_particles, 1), **opts)
+    lm = AsyncTransformer(model, build_tokenizer(args, model), batch_size=max(num_particles, 1),
+                          **opts)
 
     def backend() -> None:
         run_w1(lm, prompt, num_particles, args.steps, args.seed, args.sampler)

@@ -72,8 +72,9 @@ class Change:
             lm.set_sessions(True if default else lm._session_slots - 1)
 
     def counts(self) -> tuple[int, int]:
-        steady = self.lm._steady
-        return (0, 0) if steady is None else (steady.num_steady, steady.num_general)
+        """Engine steps so far that took the steady path, and those that took vLLM's."""
+        engine = self.lm.stats()["engine"]
+        return engine["num_steady_steps"], engine["num_steps"] - engine["num_steady_steps"]
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ def wrap(owner: object, name: str, label: str | None = None) -> None:
 
 
 def install() -> None:
-    from genlm_backend import _batch_queue, _engine_thread, batching
+    from genlm_backend import _batch_queue, batching, engine_thread
     from genlm_backend.llm import prompts, vllm
     from genlm_backend.llm.vllm import capture as vllm_capture
     from genlm_backend.llm.vllm import runner as vllm_engine
@@ -55,7 +55,7 @@ def install() -> None:
         (vllm_capture.CaptureSink, ("capture",)),
         (vllm_sessions.SessionPool, ("plan", "deliver", "release", "settle")),
         (vllm.AsyncVirtualLM, ("_start_batch", "_on_step")),
-        (_engine_thread.EngineThread, ("hold",)),
+        (engine_thread.EngineThread, ("hold",)),
         (vllm_engine.RowBatch, ("wake",)),
     ):
         for name in names:

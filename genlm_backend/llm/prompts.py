@@ -6,10 +6,6 @@ request is built on the earlier request's (already checked) token tuple, and it 
 that request (``parent``), so a backend can find what it keeps for the earlier context
 (``kept``: e.g. the engine session standing for it) without hashing a long context again.
 ``benchmarks/bench_prompts.py`` times a request made this way against the full check.
-
-The step is Python. A C version (two passes over the prompt instead of four) saved about
-1.5 us a request, 4% of W1 at 64 and 256 particles with a model whose forward pass costs
-nothing, under 1% with the tiny CPU model: not enough to keep C for.
 """
 
 from __future__ import annotations

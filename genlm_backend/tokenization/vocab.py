@@ -87,8 +87,8 @@ def _gc_paused() -> Iterator[None]:
 
     Each Token has a ``__dict__``, so the collector tracks it; building 10^5 of them starts
     many collections, and each one walks every tracked object (a loaded model holds many),
-    which made decoding a 131k vocabulary about 2.5 times slower (1.06 s against 0.42 s,
-    measured with the tokenizer loaded). Nothing built here forms a reference cycle, so the
+    which would make decoding a large vocabulary several times slower
+    (``benchmarks/README.md``). Nothing built here forms a reference cycle, so the
     pause (process-wide, for the fraction of a second this takes) delays no memory release.
     """
     was_enabled = gc.isenabled()

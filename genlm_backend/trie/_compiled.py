@@ -15,9 +15,8 @@ Threads: rows are shared out, one at a time, between ``torch.get_num_threads()``
 (at most one per row), so ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` bound the
 kernel as they bound torch. The kernel starts its own short-lived POSIX threads rather
 than using OpenMP, so no second OpenMP runtime is loaded beside torch's; starting them
-costs tens of microseconds a call. On a 2-core machine two threads bring a 64-row batch
-of the 131k tekken vocabulary from ~45 ms to ~25 ms: page faults and the computation run
-on both cores.
+costs tens of microseconds a call. Page faults and the computation then run on every
+core given (``benchmarks/README.md`` has a batch timed with one thread and two).
 """
 
 from __future__ import annotations

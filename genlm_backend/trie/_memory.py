@@ -1,9 +1,9 @@
 """Fresh output buffers backed by transparent huge pages where Linux allows it.
 
 A ``[64, num_nodes]`` float32 result of a 131k vocabulary is ~100 MB of fresh memory per
-call. With 4 KiB pages, first-touch page faults cost more than the computation that fills
-the buffer (~30 ms of the ~75 ms measured on a 2-core VM); advising huge pages before the
-first touch cuts them to a few ms. This is advice only (``madvise(MADV_HUGEPAGE)``, the
+call. With 4 KiB pages, first-touch page faults can cost as much as the computation that
+fills the buffer; advising huge pages before the first touch makes them few
+(``benchmarks/README.md``). This is advice only (``madvise(MADV_HUGEPAGE)``, the
 same call PyTorch makes when ``THP_MEM_ALLOC_ENABLE=1``): where it is unavailable (not
 Linux, no glibc, THP disabled) nothing changes.
 """

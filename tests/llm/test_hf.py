@@ -487,10 +487,9 @@ async def test_async_context_manager(hf_model):
     assert lm.is_closed
 
 
-def test_tokenizer_may_be_none(hf_model):
-    with AsyncTransformer(hf_model, None) as lm:
-        row = lm.next_token_logprobs_sync([1, 2, 3])
-        assert_close(row, reference_logprobs(hf_model, [1, 2, 3]))
+def test_a_missing_tokenizer_is_refused_at_construction(hf_model):
+    with pytest.raises(TypeError, match="hf_tokenizer"):
+        AsyncTransformer(hf_model, None)
 
 
 # ---- CUDA ----------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_w1_particles_follow_the_same_distribution_as_the_floor():
     from genlm_backend.llm.hf import AsyncTransformer
 
     prompt = list(range(8))
-    with AsyncTransformer(model, None, batch_size=4) as lm:
+    with AsyncTransformer(model, bench_w1_hf.id_tokenizer(50), batch_size=4) as lm:
         ours = bench_w1_hf.run_w1(lm, prompt, 1, 6, seed=3)
     floor = bench_w1_hf.run_floor(model, prompt, 1, 6, seed=3, device="cpu")
     assert ours == floor

@@ -14,7 +14,14 @@ import re
 
 import pytest
 import torch
-from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora, prompts_of
+from vllm_fixtures import (
+    assert_matches,
+    assert_same_rows,
+    before_each_attempt,
+    cpu_lora,
+    engine_broke,
+    prompts_of,
+)
 
 from genlm_backend.exceptions import EngineError, RequestDroppedError
 
@@ -235,7 +242,7 @@ async def test_a_sample_is_delivered_when_it_finishes(vlm):
     assert len(await long) == 200
 
 
-async def test_out_of_memory_splits_the_batch(vlm, hf_reference):
+async def test_out_of_memory_splits_the_batch(vlm, hf_reference, monkeypatch):
     prompts = prompts_of([4, 5, 6, 7, 8, 9], seed=16)
     doomed = tuple(prompts[4])
     sizes = []
@@ -245,7 +252,7 @@ async def test_out_of_memory_splits_the_batch(vlm, hf_reference):
         if len(jobs) > 2 or any(j.prompt == doomed for j in jobs):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    vlm._runner.before_attempt = inject
+    before_each_attempt(monkeypatch, vlm._runner, inject)
     splits = vlm.stats()["engine"]["num_oom_splits"]
     results = await asyncio.gather(
         *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
@@ -258,14 +265,13 @@ async def test_out_of_memory_splits_the_batch(vlm, hf_reference):
             assert_matches(row, hf_reference("base", prompt))
 
 
-async def test_an_engine_error_fails_its_batch_and_the_model_keeps_working(vlm):
+async def test_an_engine_error_fails_its_batch_and_the_model_keeps_working(vlm, monkeypatch):
     prompts = prompts_of([4, 5], seed=17)
-    vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
-    results = await asyncio.gather(
-        *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
-    )
+    with monkeypatch.context() as patch:
+        before_each_attempt(patch, vlm._runner, engine_broke)
+        results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts),
+                                       return_exceptions=True)
     assert all(isinstance(r, EngineError) for r in results)
-    vlm._runner.before_attempt = None
     assert (await vlm.next_token_logprobs(prompts[0])).shape == (32000,)
 
 

@@ -14,10 +14,18 @@ import warnings
 
 import pytest
 import torch
-from vllm_fixtures import assert_matches, assert_same_rows, cpu_lora, prompts_of
+from vllm_fixtures import (
+    assert_matches,
+    assert_same_rows,
+    before_each_attempt,
+    cpu_lora,
+    engine_broke,
+    prompts_of,
+)
 
 from genlm_backend.exceptions import EngineError, InvalidRequestError
 from genlm_backend.llm.prompts import LogprobsRequest
+from genlm_backend.llm.vllm.session_pool import SessionStatus
 
 pytestmark = [
     pytest.mark.vllm,
@@ -308,17 +316,18 @@ async def test_more_particles_than_engine_slots_still_make_progress(vlm, hf_refe
     assert len(await asyncio.wait_for(vlm.sample(contexts[0], 4, [], seed=0), timeout=60)) == 4
 
 
-async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(vlm, hf_reference):
+async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(
+    vlm, hf_reference, monkeypatch
+):
     contexts = prompts_of([5, 6], seed=35)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
-    vlm._runner.before_attempt = lambda jobs: (_ for _ in ()).throw(RuntimeError("engine broke"))
     nxt = [c + [9] for c in contexts]
-    results = await asyncio.gather(
-        *(vlm.next_token_logprobs(c) for c in nxt), return_exceptions=True
-    )
+    with monkeypatch.context() as patch:
+        before_each_attempt(patch, vlm._runner, engine_broke)
+        results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt),
+                                       return_exceptions=True)
     assert all(isinstance(r, EngineError) for r in results)
     assert sessions(vlm)["num_live"] == 0
-    vlm._runner.before_attempt = None
     rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
     for context, row in zip(nxt, rows):
         assert_matches(row, hf_reference("base", context))
@@ -436,7 +445,7 @@ async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_re
         contexts = prompts_of([5, 8], seed=44)
         await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
         await asyncio.sleep(1.0)  # no next batch, no other engine work: the wait times out
-        assert {s.state for s in vlm._sessions._sessions.values()} == {"parked"}
+        assert {s.status for s in vlm._sessions._sessions.values()} == {SessionStatus.PARKED}
         nxt = [c + [19] for c in contexts]
         rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
         for context, row in zip(nxt, rows):
@@ -506,7 +515,7 @@ async def test_a_continued_session_whose_row_never_comes_fails_only_its_caller(v
         del pool.plan
     assert isinstance(results[0], EngineError)
     assert_matches(results[1], hf_reference("base", nxt[1]))
-    assert victims and victims[0].state == "closed"
+    assert victims and victims[0].status is SessionStatus.CLOSED
     assert_matches(await vlm.next_token_logprobs(nxt[0]), hf_reference("base", nxt[0]))
 
 
@@ -529,9 +538,9 @@ def test_a_held_session_that_cannot_be_parked_stays_closed():
     job.finish = lambda row: setattr(job, "result", row)
     pool.bind(entry, job, tag=1)
     pool.deliver(entry.session, torch.zeros(3))
-    assert entry.session.state == "held"
+    assert entry.session.status is SessionStatus.HELD
     pool.plan([other], None)  # leaves the held session out: parking it closes it
-    assert entry.session.state == "closed" and aborted == [entry.session.request_id]
+    assert entry.session.status is SessionStatus.CLOSED and aborted == [entry.session.request_id]
     assert pool.get(entry.session.request_id) is None and first.kept is None
 
 
@@ -542,8 +551,9 @@ def test_free_parked_closes_the_least_recently_used_parked_sessions_a_batch_does
 
     aborted = []
     pool = SessionPool(aborted.extend, 8)
-    sessions = [Session(f"s{i}", None, state=state) for i, state in
-                enumerate(["parked", "running", "parked", "parked", "parked"])]
+    parked, running = SessionStatus.PARKED, SessionStatus.RUNNING
+    sessions = [Session(f"s{i}", None, status=status) for i, status in
+                enumerate([parked, running, parked, parked, parked])]
     for session in sessions:  # least recently used first
         pool._sessions[session.request_id] = session
     resumes_s2 = SimpleNamespace(stream_id="s2", is_done=False)
@@ -637,7 +647,7 @@ def test_a_closed_session_is_freed_without_the_cycle_collector():
             assert targets[i] is entry.session.deliver
             pool.close(entry.session)
             del entry, job
-        assert not targets and len(pool) == 0
+        assert not targets and pool.stats()["num_live"] == 0
         gc.collect()
         left = [obj for obj in gc.garbage if isinstance(obj, Session)]
     finally:

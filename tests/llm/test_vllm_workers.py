@@ -68,7 +68,7 @@ async def test_sessions_are_held_between_batches_across_processes(worker_lm, hf_
     (tokens drawn from the rows, not the argmax, so a token not forced gives wrong rows)."""
     contexts = prompts_of([3, 9, 17, 40], seed=72)
     before = worker_lm.stats()["sessions"]
-    steady_before = worker_lm._steady.num_steady
+    steady_before = worker_lm.stats()["engine"]["num_steady_steps"]
     for _ in range(5):
         rows = await asyncio.gather(*(worker_lm.next_token_logprobs(c) for c in contexts))
         for context, row in zip(contexts, rows):
@@ -79,7 +79,7 @@ async def test_sessions_are_held_between_batches_across_processes(worker_lm, hf_
     assert after["num_extended"] - before["num_extended"] == 16
     assert after["num_continued"] - before["num_continued"] == 16
     # Steps 4 and 5 are steady (step 3, the sessions' first decode step, is vLLM's own).
-    assert worker_lm._steady.num_steady - steady_before >= 2
+    assert worker_lm.stats()["engine"]["num_steady_steps"] - steady_before >= 2
 
 
 async def test_sampling_beside_rows_in_one_batch(worker_lm, hf_reference):

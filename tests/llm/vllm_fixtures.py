@@ -75,6 +75,23 @@ def assert_same_rows(a, b) -> None:
         assert torch.equal(a, b)
 
 
+def before_each_attempt(monkeypatch, runner, hook) -> None:
+    """Calls ``hook(jobs)`` each time ``runner`` (an EngineRunner) is about to add ``jobs`` to
+    its engine, first try and retries alike: a hook that raises stands for an engine failure."""
+    run_once = runner._run_once
+
+    def patched(jobs, continued=None):
+        hook(jobs)
+        return run_once(jobs, continued)
+
+    monkeypatch.setattr(runner, "_run_once", patched)
+
+
+def engine_broke(jobs) -> None:
+    """A hook for :func:`before_each_attempt`: every attempt fails as a broken engine would."""
+    raise RuntimeError("engine broke")
+
+
 def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
     """Saves a random fp32 2-layer Llama plus Mistral's 32k tokenizer into ``folder``."""
     from tiny_llama import save_random_llama
@@ -177,7 +194,6 @@ def vlm(vllm_lm):
     vllm_lm.clear_cache()
     vllm_lm.close_sessions()
     vllm_lm.set_sessions(True)
-    vllm_lm._runner.before_attempt = None
     yield vllm_lm
     # Once other engine work ends the hold of the last step, no request may be left running:
     # a row delivered early must not leave its engine request generating.
@@ -185,7 +201,6 @@ def vlm(vllm_lm):
     if not vllm_lm.is_closed:
         running, _ = vllm_lm._engine_thread.submit(scheduler.get_request_counts).result(timeout=120)
         assert running == 0, f"{running} engine requests still running after the test"
-    vllm_lm._runner.before_attempt = None
     vllm_lm.clear_lora()
     for name in list(vllm_lm._lora_paths):
         vllm_lm.remove_lora(name)

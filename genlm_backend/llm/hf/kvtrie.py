@@ -294,17 +294,6 @@ class KVTrie:
     def num_blocks(self) -> int:
         return len(self._blocks)
 
-    def num_nodes(self) -> int:
-        """Counts the nodes of every trie (a walk over all of them; for tests and stats)."""
-        total = 0
-        stack = [p.root for p in self._tries.values()]
-        while stack:
-            node = stack.pop()
-            total += 1
-            if node.children:
-                stack.extend(node.children.values())
-        return total - len(self._tries)
-
 
 def gather_past(sources: Sequence[KVSource | None], width: int) -> tuple[list[KV] | None, bool]:
     """The past states of a batch, each row right-aligned in ``width`` positions.

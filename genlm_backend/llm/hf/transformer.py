@@ -20,8 +20,8 @@ import torch
 
 from ...exceptions import EngineError, InvalidRequestError
 from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
-from .kv_cache import accepts_logits_to_keep
 from .forward import Step, make_step, plan_chunks, run_chunk, shared_prefixes
+from .kv_cache import accepts_logits_to_keep
 from .kvtrie import KVTrie
 from .peft_adapters import AdapterMixin
 
@@ -48,8 +48,8 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
 
     Args:
         hf_model: a transformers causal LM (``AutoModelForCausalLM``), already on its device.
-        hf_tokenizer: its tokenizer. May be None when only token ids are used (benchmarks):
-            ``byte_vocab``/``str_vocab`` then raise.
+        hf_tokenizer: its Hugging Face tokenizer (:attr:`tokenizer`; ``byte_vocab`` and
+            ``str_vocab`` are decoded from it on first use).
         batch_size: the most distinct prompts in one batch.
         timeout: seconds after the first queued prompt before its batch runs at the latest.
         max_kv_cache_bytes: bound on the bytes of cached key/value tensors (keys and values of
@@ -61,6 +61,9 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
             when several prompts are grouped; a longer single prompt still runs whole.
         **kwargs: ``cache_size``, ``cache_opts``, ``flush`` of :class:`AsyncLM` (the output
             cache, off by default, keeps whole log-probability rows per prompt and adapter).
+
+    Raises:
+        TypeError: ``hf_tokenizer`` is None.
     """
 
     @stops_what_it_started
@@ -75,6 +78,8 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
         max_forward_tokens: int = 8192,
         **kwargs: Any,
     ):
+        if hf_tokenizer is None:
+            raise TypeError("hf_tokenizer is required: the model's Hugging Face tokenizer")
         super().__init__(hf_tokenizer, batch_size=batch_size, timeout=timeout, **kwargs)
         self.model = hf_model.eval()
         self.device = hf_model.get_input_embeddings().weight.device

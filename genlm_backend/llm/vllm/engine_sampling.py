@@ -76,7 +76,7 @@ def build_sampling_params(
             **({"structured_outputs": structured} if structured is not None else {}),
             **opts,
         )
-    except Exception as exc:  # noqa: BLE001 - vLLM's own validation errors (not ValueErrors)
+    except Exception as exc:  # vLLM's own validation errors (not ValueErrors)
         raise InvalidRequestError(f"invalid sampling options: {exc}") from exc
 
 

@@ -120,8 +120,6 @@ class EngineRunner:
         self.llm = llm
         self.stats = EngineStats()
         self._ids = itertools.count()
-        # Tests replace this to inject failures: (jobs) -> None, runs before each attempt.
-        self.before_attempt: Callable[[Sequence[EngineJob]], None] | None = None
         # (jobs, limit) -> whether any went: closes parked sessions that are not part of
         # ``jobs``, least recently used first, at most ``limit`` of them (None: all). Called
         # when the scheduler stalls (waiting requests, none running), and before jobs that add
@@ -216,8 +214,6 @@ class EngineRunner:
             self._run_splitting(pending[half:])
 
     def _run_once(self, jobs: list[EngineJob], continued: Any = None) -> None:
-        if self.before_attempt is not None:
-            self.before_attempt(jobs)
         if self.closed:
             raise ClosedError("the model was cleaned up before this request ran")
         engine = self.llm.llm_engine

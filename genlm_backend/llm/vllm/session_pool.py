@@ -1,42 +1,42 @@
-"""Live engine sessions: a log-probability request that extends the context of an earlier one
-by a token costs one decode step of a request that is already running.
+"""Live engine sessions: a log-probability request that extends the context of an earlier one by a
+token costs one decode step of a request that is already running.
 
 A *session* is one vLLM streaming-input request (see
 :func:`~genlm_backend.llm.vllm.internals.add_session_chunk`) that stands for the context whose
-row it produced last. It is in one of three states:
+row it produced last. Its :class:`SessionStatus` is one of:
 
-* ``running``: a chunk (its first prompt, or tokens appended to a parked session) or a
+* ``RUNNING``: a chunk (its first prompt, or tokens appended to a parked session) or a
   continuation is in flight;
-* ``held``: its row was just captured, inside the engine step that computed it, and the
-  step waits (:meth:`~genlm_backend.engine_thread.EngineThread.hold`) for the next batch's
-  plan. A request that extends its context by one token *continues* it: that token is
-  forced as the session's next token (the capture processor sets every other logit to
-  -inf), so the next step computes the new row as a plain decode step, without re-adding
-  the request. A continuation has no engine job of its own: the session hands its next row
-  to the request's slot of the batch (:meth:`SessionPool.deliver`). Sessions the plan does
-  not continue are parked;
-* ``parked``: stopped with its KV cache (:func:`~genlm_backend.llm.vllm.internals.park`, or
-  a one-token chunk when holding is off); a request that extends it appends a chunk, which
-  re-adds the request to the engine's batch once.
+* ``HELD``: its row was just captured, inside the engine step that computed it, and the step
+  waits (:meth:`~genlm_backend.engine_thread.EngineThread.hold`) for the next batch's plan. A
+  request that extends its context by one token *continues* it: that token is forced as the
+  session's next token (the capture processor sets every other logit to -inf), so the next step
+  computes the new row as a plain decode step, without re-adding the request. A continuation has
+  no engine job of its own: the session hands its next row to the request's slot of the batch
+  (:meth:`SessionPool.deliver`). Sessions the plan does not continue are parked;
+* ``PARKED``: stopped with its KV cache (:func:`~genlm_backend.llm.vllm.internals.park`, or a
+  one-token chunk when holding is off); a request that extends it appends a chunk, which re-adds
+  the request to the engine's batch once;
+* ``CLOSED``: its engine request aborted (for good).
 
-Matching (:meth:`SessionPool.plan`): a request for context ``C`` (adapter ``A``) uses the
-session of ``(A, C[:-1])`` when that session is free in this batch; it is found through the
-request's ``parent`` (the request of ``C[:-1]``, whose ``kept`` is the session standing for
-it: no hashing of long contexts), else by value. Particles that share a
-context after resampling can extend it only once; the others open new sessions (over the
-whole context: vLLM's prefix cache still skips most of the prefill). Requests that find no
-room run as plain one-shot requests.
+Matching (:meth:`SessionPool.plan`): a request for context ``C`` (adapter ``A``) uses the session
+of ``(A, C[:-1])`` when that session is free in this batch; it is found through the request's
+``parent`` (the request of ``C[:-1]``, whose ``kept`` is the session standing for it: no hashing
+of long contexts), else by value. Particles that share a context after resampling can extend it
+only once; the others open new sessions (over the whole context: vLLM's prefix cache still skips
+most of the prefill). Requests that find no room run as plain one-shot requests.
 
 Bounds: at most ``capacity`` sessions live (up to ``max_num_seqs``: every session holds a
-scheduler slot); a new session takes the place of the least recently used free one;
-sessions unused for ``idle_batches`` batches are closed; parked sessions are closed, least
-recently used first, where other requests need their slots (:meth:`SessionPool.free_parked`).
-A chunk or continuation that fails, is refused or is aborted closes its session; only its
-own caller sees the error. Everything here runs on the model's engine thread.
+scheduler slot); a new session takes the place of the least recently used free one; sessions
+unused for ``idle_batches`` batches are closed; parked sessions are closed, least recently used
+first, where other requests need their slots (:meth:`SessionPool.free_parked`). A chunk or
+continuation that fails, is refused or is aborted closes its session; only its own caller sees
+the error. Everything here runs on the model's engine thread.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import warnings
@@ -49,20 +49,32 @@ import torch
 
 from ..prompts import LogprobsRequest
 
-__all__ = ["PlanEntry", "Session", "SessionPool"]
+__all__ = ["PlanEntry", "Session", "SessionPool", "SessionStatus"]
 
 _ids = itertools.count()
 
 
+class SessionStatus(enum.Enum):
+    """Where a session is (see the module docstring)."""
+
+    RUNNING = "running"
+    HELD = "held"
+    PARKED = "parked"
+    CLOSED = "closed"
+
+
+RUNNING, HELD, PARKED, CLOSED = SessionStatus  # (module names: the hot path reads them)
+
+
 @dataclass(eq=False, slots=True)
 class Session:
-    """One live streaming request: its engine id, adapter, state and the request whose
+    """One live streaming request: its engine id, adapter, status and the request whose
     context it stands for (``key``; None while running)."""
 
     request_id: str
     lora_name: str | None
     key: Any = None  # LogprobsRequest
-    state: str = "running"  # "running", "held", "parked" or "closed"
+    status: SessionStatus = SessionStatus.RUNNING
     tag: int | None = None  # capture tag of its current chunk (the same for continuations)
     job: Any = None  # the EngineJob of the chunk in flight (None for a continuation)
     next_key: Any = None  # the request in flight
@@ -98,15 +110,10 @@ class SessionPool:
         unfollow: ``(tag) -> None``, undoes ``follow``.
     """
 
-    def __init__(
-        self,
-        abort: Callable[[list[str]], None],
-        capacity: int,
-        idle_batches: int = 8,
-        park: Callable[[Session], None] | None = None,
-        follow: Callable[[int, Callable[[torch.Tensor], None]], None] | None = None,
-        unfollow: Callable[[int], None] | None = None,
-    ):
+    def __init__(self, abort: Callable[[list[str]], None], capacity: int, idle_batches: int = 8,
+                 park: Callable[[Session], None] | None = None,
+                 follow: Callable[[int, Callable[[torch.Tensor], None]], None] | None = None,
+                 unfollow: Callable[[int], None] | None = None):
         self._abort = abort
         self._park = park
         self._follow = follow
@@ -119,16 +126,10 @@ class SessionPool:
         self.decisions: dict[int, int] = {}  # tag -> token forced at the end of this step
         self.decided = False  # a plan has dealt with the held sessions
         self._batch = 0
-        self.num_extended = 0
-        self.num_continued = 0
-        self.num_opened = 0
-        self.num_closed = 0
+        self.num_extended = self.num_continued = self.num_opened = self.num_closed = 0
         self.warned_crowded = False  # more contexts than sessions (warned once)
         # Contexts whose session made room for another's -> the batch that closed it.
         self._evicted: dict[LogprobsRequest, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._sessions)
 
     @property
     def holds(self) -> bool:
@@ -176,7 +177,7 @@ class SessionPool:
                 if session is None:
                     crowded = crowded or parent_key in evicted
                     continue
-            if session.stamp == stamp or session.state == "running":
+            if session.stamp == stamp or session.status is RUNNING:
                 continue  # another request of this batch extends it first
             session.stamp = session.last_used = stamp
             key, session.key = session.key, None  # it stands for ``request``'s context once its row is in
@@ -187,14 +188,14 @@ class SessionPool:
             num_extended += 1
             session.next_key = request
             sessions.move_to_end(session.request_id)
-            if session.state == "held":
+            if session.status is HELD:
                 decisions[session.tag] = request.token_ids[-1]
                 num_continued += 1
                 session.batch, session.index = batch, i
                 plan[i] = session
             else:
                 plan[i] = PlanEntry(session, request.token_ids[-1:])
-            session.state = "running"
+            session.status = RUNNING
         self.num_extended += num_extended
         self.num_continued += num_continued
         self._park_held()
@@ -243,7 +244,7 @@ class SessionPool:
         """The final row of ``session``'s chunk or continuation, inside the step that computed
         it: hands it to its request, and holds the session, which now stands for that
         request's context. A row nobody waits for any more (its job failed) closes it."""
-        if session.state != "running":
+        if session.status is not RUNNING:
             return
         job = session.job
         if job is None:  # a continuation (the hot path of lockstep sampling)
@@ -268,7 +269,7 @@ class SessionPool:
         else:
             session.key, session.next_key = key, None
             key.kept = session
-        session.state = "held"
+        session.status = HELD
         self._held.append(session)
 
     def release(self) -> dict[int, int]:
@@ -281,14 +282,14 @@ class SessionPool:
 
     def _park_held(self) -> None:
         for session in self._held:
-            if session.state != "held":  # continued (running) or closed
+            if session.status is not HELD:  # continued (running) or closed
                 continue
             if self._park is None:
                 self.close(session)
             else:
                 self._park(session)
-                if session.state != "closed":  # (a park that fails closes the session)
-                    session.state = "parked"
+                if session.status is not CLOSED:  # (a park that fails closes the session)
+                    session.status = PARKED
         self._held = []
         self.decided = True
 
@@ -311,12 +312,12 @@ class SessionPool:
                 if session.job is job:
                     self.close(session)
                 continue
-            if session.state == "running" and session.job is job:  # rows came with outputs
+            if session.status is RUNNING and session.job is job:  # rows came with outputs
                 session.job = None
                 if job.stream_request is not None:
                     session.engine_request = job.stream_request
                 self._stand_for(session)
-                session.state = "parked"
+                session.status = PARKED
 
     def _stand_for(self, session: Session) -> None:
         key = session.next_key
@@ -350,7 +351,7 @@ class SessionPool:
         # ``deliver`` holds the session: without it the session is freed by reference
         # counting, not left to the cycle collector (which holds the GIL while it runs).
         session.next_key = session.job = session.batch = session.deliver = None
-        session.state = "closed"
+        session.status = CLOSED
         self.num_closed += 1
         self._abort([session.request_id])
 
@@ -378,21 +379,18 @@ class SessionPool:
         """Closes parked sessions, least recently used first, at most ``limit`` (None: all),
         but not those with a job of ``jobs`` still to run; returns whether any was closed."""
         in_use = {job.stream_id for job in jobs if job.stream_id and not job.is_done}
-        return self.close_where(lambda s: s.state == "parked" and s.request_id not in in_use, limit) > 0
+        return self.close_where(
+            lambda s: s.status is PARKED and s.request_id not in in_use, limit) > 0
 
     def _close_idle(self) -> None:
         horizon = self._batch - self.idle_batches
         while self._sessions:
             oldest = next(iter(self._sessions.values()))
-            if oldest.last_used >= horizon or oldest.state == "running":
+            if oldest.last_used >= horizon or oldest.status is RUNNING:
                 break
             self.close(oldest)
 
     def stats(self) -> dict[str, int]:
-        return {
-            "num_live": len(self._sessions),
-            "num_opened": self.num_opened,
-            "num_extended": self.num_extended,
-            "num_continued": self.num_continued,
-            "num_closed": self.num_closed,
-        }
+        return {"num_live": len(self._sessions), "num_opened": self.num_opened,
+                "num_extended": self.num_extended, "num_continued": self.num_continued,
+                "num_closed": self.num_closed}

@@ -17,7 +17,7 @@ is a plain decode step over the running requests, as in vLLM's own generation lo
 
 Engine work runs on the model's single engine thread, the log-probability batches' and the
 sampling batcher's alike; the engine threads of all models in the process take turns
-(:data:`.engine.ENGINE_LOCK`), so engine calls never overlap. vllm is imported when an
+(:data:`.runner.ENGINE_LOCK`), so engine calls never overlap. vllm is imported when an
 engine is first built or wrapped, not when the class is named.
 """
 
@@ -34,10 +34,10 @@ from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
 from ..validation import one_or_many_prompts
 from . import internals, startup
 from .closing import ClosingMixin
-from .runner import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
+from .engine_sampling import SamplingMixin
 from .logprobs import LogprobsMixin
 from .lora_requests import LoRAMixin
-from .engine_sampling import SamplingMixin
+from .runner import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
 from .session_pool import SessionPool
 
 __all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
@@ -47,8 +47,7 @@ DEFAULT_ENGINE_OPTS = {
     "disable_log_stats": True,
     "gpu_memory_utilization": 0.9,
     # Lockstep samplers extend sessions one token at a time; with async scheduling vLLM
-    # sees each chunk's end one engine step late. Measured on an H100 (W1, 1.2B model,
-    # sessions on): N=64 took 0.88 s with it off against 1.34 s with it on.
+    # sees each chunk's end one engine step late, and sessions park instead of being held.
     "async_scheduling": False,
 }
 # The most sampling requests sent to the engine in one call (where ``batch_size`` is lower).
@@ -85,7 +84,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
             (:meth:`from_name` does this), its engine core in this process (from_name
             builds it so; a ``vllm.LLM`` of your own needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
             while it is built, and, where other engines of this process run meanwhile, to be
-            built under :data:`.engine.ENGINE_LOCK`, as from_name does). Its workers may be other processes
+            built under :data:`.runner.ENGINE_LOCK`, as from_name does). Its workers may be
+            other processes
             (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``): rows then
             come through memory both processes map, on the worker's device, and sessions
             are held as in one process (parked instead under async scheduling).
@@ -102,8 +102,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
             runs at once): more contexts than that in a lockstep step run as several
             batches, sessions continuing within each. None (the default): the engine's
             ``max_num_seqs``, and at least 20, so that a batch holds every sequence an
-            engine step runs (measured on this CPU, 64 contexts extended in lockstep: 11 ms
-            a step in one batch, 22.5 ms in batches of 20). Sampling requests go to the
+            engine step runs. Sampling requests go to the
             engine up to ``max(batch_size, 1024)`` at a time, so one ``batch_sample`` is
             one engine call that vLLM schedules as it sees fit.
         sessions: keep log-probability requests alive as engine sessions that later
@@ -362,17 +361,20 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         ``engine_s`` (seconds inside the engine), ``num_oom_splits``,
         ``prefix_cache_hit_rate`` (cached / total prompt tokens of finished requests),
         ``num_forced_steps`` (steps whose tokens were all forced, sampled without vLLM's
-        sampler),
+        sampler), ``num_steady_steps`` (steps of held sessions alone that skipped vLLM's
+        general scheduling, :func:`.internals.install_steady_steps`),
         ``peak_device_memory_bytes`` (CUDA only; None on CPU, where
         ``peak_host_rss_bytes`` is given); ``sessions``: live, opened, extended (of which
         continued while held) and closed engine sessions. Engine counters of a batch land
         when its last engine step ends, which for held sessions is when the next batch (or
         any other engine work) arrives.
         """
+        forcing, steady = self._forcing, self._steady
         return {
             **super().stats(),
             "sample": self._sample_batcher.stats.as_dict(),
             "engine": {**self._runner.stats.as_dict(),
-                       "num_forced_steps": 0 if self._forcing is None else self._forcing.num_skipped},
+                       "num_forced_steps": 0 if forcing is None else forcing.num_skipped,
+                       "num_steady_steps": 0 if steady is None else steady.num_steady},
             "sessions": self._sessions.stats(),
         }

@@ -161,16 +161,14 @@ def install_parked_bypass(engine: Any) -> bool:
     """Keeps parked sessions out of the scheduler's walk over its waiting queues.
 
     A parked session waits in a queue of waiting requests with the status
-    ``WAITING_FOR_STREAMING_REQ`` (0.26: ``skipped_waiting``; 0.32: ``kv_holding_waiting``),
-    and every ``schedule()`` pops it, finds it blocked and puts it back: W5 at N=256 parks
-    about 220 with vLLM's default ``max_num_seqs`` on an 80 GB GPU, and its ``schedule()``
-    took 4.2 ms a step with them in the walk, 3.2 ms without, on the H200 host. Wrapped
-    here, ``schedule()`` runs with the parked sessions taken out of those queues (two list
-    passes over each) and puts them back behind the others when it returns: it would have
-    skipped them, and counts them through ``num_waiting_for_streaming_input`` either way. A
-    resumed session has left that status and stays in the walk. First-come first-served
-    queues only (the default policy; a priority queue is a heap). Installs once; returns
-    False where the scheduler lacks these parts."""
+    ``WAITING_FOR_STREAMING_REQ`` (0.26: ``skipped_waiting``; 0.32: ``kv_holding_waiting``), and
+    every ``schedule()`` pops it, finds it blocked and puts it back: a cost each step that grows
+    with the number of parked sessions. Wrapped here, ``schedule()`` runs with the parked
+    sessions taken out of those queues (two list passes over each) and puts them back behind the
+    others when it returns: it would have skipped them, and counts them through
+    ``num_waiting_for_streaming_input`` either way. A resumed session has left that status and
+    stays in the walk. First-come first-served queues only (the default policy; a priority queue
+    is a heap). Installs once; returns False where the scheduler lacks these parts."""
     from vllm.v1.request import RequestStatus
 
     scheduler = _scheduler(engine)
