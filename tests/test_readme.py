@@ -51,7 +51,9 @@ MAX_NOISE_LINES = 5
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 MARK = re.compile(r"<!--\s*test:\s*([\w,\s]+?)\s*(\(.*\))?\s*-->\s*$")  # "(why)" may follow
 # vLLM's own log lines (it logs to stdout), with or without a process prefix.
-LOG_LINE = re.compile(r"^(\(\w[^)]*\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d")
+LOG_LINE = re.compile(
+    r"^(\(\w[^)]*\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d"
+)
 
 
 @dataclass
@@ -159,7 +161,9 @@ def test_code_block_runs_as_written(block: Block, tmp_path: Path):
         [sys.executable, str(script)], cwd=tmp_path, env=clean_environment(),
         capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False,
     )
-    assert done.returncode == 0, f"{block.name} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    assert done.returncode == 0, (
+        f"{block.name} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    )
     if block.expected is not None:
         got = [shape(line) for line in printed_lines(done.stdout)]
         want = [shape(line) for line in block.expected.splitlines() if line.strip()]
@@ -340,6 +344,8 @@ def test_only_the_vllm_modules_import_vllm_and_the_rest_reach_them_on_first_use(
 
 def test_importing_the_package_imports_neither_torch_nor_vllm():
     code = "import sys, genlm_backend; print('torch' in sys.modules, 'vllm' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], env=clean_environment(), capture_output=True,
-                          text=True, timeout=120, cwd=REPO, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=clean_environment(), capture_output=True,
+        text=True, timeout=120, cwd=REPO, check=False,
+    )
     assert done.stdout.split() == ["False", "False"], done.stdout + done.stderr

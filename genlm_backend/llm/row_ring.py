@@ -49,16 +49,22 @@ READ_LAG = 2  # reads between copying a step's rows and making sure the copy is 
 class RowRing:
     """``num_slots`` rows of ``width`` fp32 values; at most ``max_rows`` written per step."""
 
-    def __init__(self, rows: torch.Tensor, max_rows: int, path: str | None = None, lag: int = READ_LAG):
+    def __init__(
+        self, rows: torch.Tensor, max_rows: int, path: str | None = None, lag: int = READ_LAG
+    ):
         self.rows = rows  # [num_slots, width]
         self.max_rows = int(max_rows)
         self.path = path  # the backing file of a CPU ring (None: device memory)
         self._cursor = 0
         self.lag = int(lag)  # reads between copying a step's rows and waiting for that copy
-        self._copies: collections.deque = collections.deque()  # CUDA events of the last reads' copies
+        # CUDA events of the last reads' copies
+        self._copies: collections.deque = collections.deque()
 
     @classmethod
-    def create(cls, max_rows: int, depth: int, width: int, device: torch.device | str, lag: int = READ_LAG) -> RowRing:
+    def create(
+        cls, max_rows: int, depth: int, width: int, device: torch.device | str,
+        lag: int = READ_LAG,
+    ) -> RowRing:
         """A new ring in this process (the worker's), for ``max_rows`` rows a step,
         ``depth`` steps run beyond the one being read and ``lag`` reads before a copy is
         waited for."""
@@ -69,7 +75,8 @@ class RowRing:
             os.close(fd)
             rows = torch.from_file(path, shared=True, size=num_slots * width, dtype=torch.float32)
             return cls(rows.view(num_slots, width), max_rows, path, lag)
-        return cls(torch.empty((num_slots, width), dtype=torch.float32, device=device), max_rows, lag=lag)
+        rows = torch.empty((num_slots, width), dtype=torch.float32, device=device)
+        return cls(rows, max_rows, lag=lag)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -132,7 +139,8 @@ def open_ring(handle: tuple) -> RowRing:
         return RowRing(rows.view(num_slots, width), max_rows)
     if kind == "cuda":
         _, rebuild, args, max_rows, *uuid = handle
-        return RowRing(rebuild(*_on_local_device(rebuild, args, uuid[0] if uuid else None)), max_rows)
+        args = _on_local_device(rebuild, args, uuid[0] if uuid else None)
+        return RowRing(rebuild(*args), max_rows)
     raise ValueError(f"unknown row ring kind {kind!r}")
 
 

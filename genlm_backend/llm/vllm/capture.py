@@ -1,9 +1,9 @@
 """The capture of full-vocabulary rows inside vLLM's engine step, and the forcing of tokens.
 
 Relies on vLLM's custom logits-processor interface, ``vllm.v1.sample.logits_processor``
-(checked against the versions in :data:`~genlm_backend.llm.vllm.internals.CHECKED_VERSIONS`; the tests in
-``tests/llm/test_vllm_internals.py`` fail loudly when it moves): a processor class passed as
-``LLM(logits_processors=[cls])`` is instantiated by the engine; ``update_state(BatchUpdate)``
+(checked against the versions in :data:`~genlm_backend.llm.vllm.internals.CHECKED_VERSIONS`; the
+tests in ``tests/llm/test_vllm_internals.py`` fail loudly when it moves): a processor class passed
+as ``LLM(logits_processors=[cls])`` is instantiated by the engine; ``update_state(BatchUpdate)``
 reports rows removed, added (as ``(index, SamplingParams, prompt_token_ids,
 output_token_ids)``, where ``output_token_ids`` is the request's live output list) and moved
 (``(a, b, MoveDirectionality)``); ``apply(logits)`` sees the fp32 logits ``[num_rows, V]`` of
@@ -14,8 +14,8 @@ skipped when every row is greedy). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and
 process-wide registry of sinks. Where the engine's workers are other processes
 (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``), the processor of the
 worker whose output the engine reads writes the rows of this process's sinks into a ring
-both processes map (:class:`RemoteRows`, :mod:`genlm_backend.llm.row_ring`); that step's output says where
-they are, and they reach their sinks (:func:`deliver_remote`) before the engine handles the
+both processes map (:class:`RemoteRows`, :mod:`genlm_backend.llm.row_ring`); that step's output says
+where they are, and they reach their sinks (:func:`deliver_remote`) before the engine handles the
 step's results.
 
 How rows reach their requests: every capture request carries
@@ -24,8 +24,8 @@ How rows reach their requests: every capture request carries
 and, on every step, gives each sink its tagged rows (:meth:`CaptureSink.capture`): the
 log-softmax of every *final* row (not a partial prefill) goes to the target expected for
 its tag, inside the step; the sink's ``on_step`` hook may then name tokens to force. Where
-finality cannot be told (no :func:`~genlm_backend.llm.vllm.internals.discard_mask_reader`), a prompt split
-over several engine steps writes partial rows first, the row of the step that finishes the
+finality cannot be told (no :func:`~genlm_backend.llm.vllm.internals.discard_mask_reader`), a prompt
+split over several engine steps writes partial rows first, the row of the step that finishes the
 prompt comes last and wins, and once the request has an output token it is no longer
 written. Rows of requests without a tag (plain sampling) cost one dictionary lookup per
 step. A tag whose row never arrives is an error (:meth:`CaptureSink.take`), never a wrong
@@ -48,7 +48,8 @@ from .forcing import current_forcing, force_tokens
 from .internals import CHECKED_VERSIONS
 
 __all__ = [
-    "CAPTURE_KEY", "CaptureSink", "LogprobsCaptureProcessor", "follow_batch", "set_decisions", "set_remote",
+    "CAPTURE_KEY", "CaptureSink", "LogprobsCaptureProcessor", "follow_batch", "set_decisions",
+    "set_remote",
 ]
 
 CAPTURE_KEY = "genlm_backend_capture"
@@ -160,15 +161,23 @@ class CaptureSink:
         _SINKS.pop(self.token, None)
 
     def capture(
-        self, logits: torch.Tensor, rows: dict[int, tuple[str, int, list[int]]], mine_only: bool, staging: _Staging
+        self,
+        logits: torch.Tensor,
+        rows: dict[int, tuple[str, int, list[int]]],
+        mine_only: bool,
+        staging: _Staging,
     ) -> list[tuple[int, int]]:
         """One step of the processor: ``rows`` maps a row index to ``(sink token, tag, output
         ids)`` (only this sink's rows unless ``mine_only``); returns the ``(index, token)``
         pairs to force, sorted by index."""
         # Finality unknown (no mask): the last row written before the output wins.
-        final = _final_rows(rows, self.discarded, logits.shape[0], self.token if mine_only else None)
+        final = _final_rows(
+            rows, self.discarded, logits.shape[0], self.token if mine_only else None
+        )
         followers, targets, slots = self._followers, self._targets, self._rows
-        wanted = [(i, tag) for i, tag in final if tag in followers or tag in targets or tag in slots]
+        wanted = [
+            (i, tag) for i, tag in final if tag in followers or tag in targets or tag in slots
+        ]
         if wanted:
             # Outside inference mode: callers get ordinary tensors they may modify in place.
             with torch.inference_mode(False), torch.no_grad():
@@ -253,9 +262,11 @@ class LogprobsCaptureProcessor(LogitsProcessor):
             sink = _SINKS.get(token)
             if sink is not None:
                 forced += sink.capture(logits, rows, len(sinks) > 1, self._staging)
-            elif _REMOTE is not None and not _REMOTE.early:  # a worker: the sink lives in the engine's process
+            elif _REMOTE is not None and not _REMOTE.early:
+                # a worker: the sink lives in the engine's process
                 _REMOTE.capture(logits, rows, token, self._staging)
-        if _DECISIONS is not None:  # a worker: the tokens the engine's process decided for this step
+        # a worker: the tokens the engine's process decided for this step
+        if _DECISIONS is not None:
             forced += [(i, t) for i, (sink, tag, _) in rows.items()
                        if (t := _DECISIONS.get(sink, _NONE).get(tag)) is not None]
             forced.sort()

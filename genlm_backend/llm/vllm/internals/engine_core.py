@@ -39,7 +39,8 @@ def _no_deep_copy() -> dict[str, bool]:
     every request's params otherwise; ours are built fresh for each request)."""
     import vllm
 
-    return {"skip_clone": True} if "skip_clone" in getattr(vllm.SamplingParams, "__struct_fields__", ()) else {}
+    fields = getattr(vllm.SamplingParams, "__struct_fields__", ())
+    return {"skip_clone": True} if "skip_clone" in fields else {}
 
 
 NO_DEEP_COPY = _no_deep_copy()
@@ -47,7 +48,8 @@ NO_DEEP_COPY = _no_deep_copy()
 
 def _model_runner(engine: Any) -> Any:
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
-    worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
+    driver = getattr(getattr(core, "model_executor", None), "driver_worker", None)
+    worker = getattr(driver, "worker", None)
     return getattr(worker, "model_runner", None)
 
 
@@ -80,7 +82,8 @@ def model_module(llm: Any) -> torch.nn.Module:
     runner = _model_runner(engine)
     module = runner.get_model() if runner is not None and hasattr(runner, "get_model") else None
     if not isinstance(module, torch.nn.Module):
-        raise RuntimeError(
+        # the engine's structure moved, not a wrong type passed in: the documented RuntimeError
+        raise RuntimeError(  # noqa: TRY004
             "the model runner's torch module was not found where vLLM 0.26/0.32 keep it "
             "(engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model())"
         )
@@ -98,7 +101,9 @@ def is_cuda_oom(exc: BaseException) -> bool:
     return False
 
 
-def add_request(engine: Any, request_id: str, prompt: tuple[int, ...], params: Any, lora_request: Any) -> None:
+def add_request(
+    engine: Any, request_id: str, prompt: tuple[int, ...], params: Any, lora_request: Any
+) -> None:
     """Adds one token prompt to ``LLM.llm_engine`` (``LLMEngine.add_request``).
 
     ``LLM.generate`` returns only when every request is done; stepping the engine ourselves
@@ -106,7 +111,9 @@ def add_request(engine: Any, request_id: str, prompt: tuple[int, ...], params: A
     outputs carry ``request_id`` as given here (0.32 adds a random suffix internally only).
     """
     params.output_kind = RequestOutputKind.FINAL_ONLY
-    engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params, lora_request=lora_request)
+    engine.add_request(
+        request_id, TokensPrompt(prompt_token_ids=list(prompt)), params, lora_request=lora_request
+    )
 
 
 def output_done(output: Any) -> bool:
@@ -162,7 +169,10 @@ def prefer_spawned_workers(engine_opts: dict) -> bool:
     CUDA another way fails ("Cannot re-initialize CUDA in forked subprocess", seen on the
     H100 under pytest with 0.26). Spawned workers import the caller's main module again,
     as with any spawned process: scripts keep their work under ``if __name__ == "__main__"``."""
-    multi = any(int(engine_opts.get(key) or 1) > 1 for key in ("tensor_parallel_size", "pipeline_parallel_size"))
+    multi = any(
+        int(engine_opts.get(key) or 1) > 1
+        for key in ("tensor_parallel_size", "pipeline_parallel_size")
+    )
     if not (multi or engine_opts.get("distributed_executor_backend") == "mp"):
         return False
     if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ:
@@ -179,7 +189,10 @@ def envs_cache_enabled() -> bool:
     in ``functools.cache``; other versions keep a ``_env_cache`` dict."""
     from vllm import envs
 
-    return hasattr(getattr(envs, "__getattr__", None), "cache_clear") or getattr(envs, "_env_cache", None) is not None
+    return (
+        hasattr(getattr(envs, "__getattr__", None), "cache_clear")
+        or getattr(envs, "_env_cache", None) is not None
+    )
 
 
 def off_envs_cache() -> None:

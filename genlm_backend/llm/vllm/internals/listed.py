@@ -20,7 +20,8 @@ def install_listed_rows(engine: Any, key: str, deliver: Callable[[Any, Any, Any]
     output processor lacks the calls this needs.
     """
     processor = getattr(engine, "output_processor", None)
-    add, process = getattr(processor, "add_request", None), getattr(processor, "process_outputs", None)
+    add = getattr(processor, "add_request", None)
+    process = getattr(processor, "process_outputs", None)
     states = getattr(processor, "request_states", None)
     if add is None or process is None or not isinstance(states, dict):
         return False

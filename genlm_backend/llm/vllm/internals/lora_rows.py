@@ -24,8 +24,8 @@ def lora_refusal(engine: Any) -> str | None:
 
     dtype = engine.vllm_config.model_config.dtype
     if dtype == torch.float32 and current_platform.is_cuda_alike():
-        return ("vLLM's GPU LoRA kernels support float16 and bfloat16 models only; this engine runs "
-                "float32: start it with engine_opts={'dtype': 'bfloat16'} to use adapters")
+        return ("vLLM's GPU LoRA kernels support float16 and bfloat16 models only; this engine "
+                "runs float32: start it with engine_opts={'dtype': 'bfloat16'} to use adapters")
     return None
 
 
@@ -60,9 +60,9 @@ def install_lora_base_rows(engine: Any) -> str | None:
         done = all(engine.collective_rpc(_keep_base_rows_in_worker))
     if done:
         return None
-    return ("vLLM's CPU LoRA ops apply the last adapter slot to base-model tokens, and this engine's LoRA "
-            f"manager differs from the checked versions {CHECKED_VERSIONS}: base-model rows batched with "
-            "adapter rows would be wrong")
+    return ("vLLM's CPU LoRA ops apply the last adapter slot to base-model tokens, and this "
+            "engine's LoRA manager differs from the checked versions "
+            f"{CHECKED_VERSIONS}: base-model rows batched with adapter rows would be wrong")
 
 
 def _keep_base_rows_in_worker(worker: Any) -> bool:
@@ -83,13 +83,17 @@ def _keep_base_rows_in(runner: Any) -> bool:
         if not isinstance(wrapper, PunicaWrapperCPU) or installed_on(wrapper).get("base_rows"):
             continue
         for name in _TOKEN_LORA_CALLS:
-            setattr(wrapper, name, _keep_base_rows(getattr(wrapper, name), lambda w=wrapper: w.token_lora_indices))
-        wrapper.add_lora_logits = _keep_base_rows(wrapper.add_lora_logits, lambda w=wrapper: w.sampler_indices)
+            setattr(wrapper, name, _keep_base_rows(
+                getattr(wrapper, name), lambda w=wrapper: w.token_lora_indices))
+        wrapper.add_lora_logits = _keep_base_rows(
+            wrapper.add_lora_logits, lambda w=wrapper: w.sampler_indices)
         installed_on(wrapper)["base_rows"] = True
     return True
 
 
-def _keep_base_rows(call: Callable[..., Any], indices_of: Callable[[], torch.Tensor]) -> Callable[..., Any]:
+def _keep_base_rows(
+    call: Callable[..., Any], indices_of: Callable[[], torch.Tensor]
+) -> Callable[..., Any]:
     """``call(y, ...)`` that leaves the rows of ``y`` whose LoRA index is -1 as they were."""
 
     def run(y: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -97,7 +101,8 @@ def _keep_base_rows(call: Callable[..., Any], indices_of: Callable[[], torch.Ten
         if not bool(base.any()):
             return call(y, *args, **kwargs)
         if bool(base.all()):
-            return None  # no adapter token: nothing to add (an all -1 batch would get the last slot)
+            # no adapter token: nothing to add (an all -1 batch would get the last slot)
+            return None
         rows = y.view(-1, y.shape[-1])
         index = base[: rows.shape[0]].nonzero().squeeze(1)
         kept = rows.index_select(0, index)

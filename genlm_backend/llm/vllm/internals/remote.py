@@ -94,7 +94,9 @@ def install_remote_capture(llm: Any, parts: Any) -> RemoteCapture | None:
     # Rows read before their step samples wait for no later step (see row_ring).
     batches = int(getattr(config, "max_concurrent_batches", 2))
     depth, lag = (0, 0) if early else (max(batches - 1, 1), parts.read_lag)
-    max_rows = min(int(config.scheduler_config.max_num_seqs), RING_BYTES // ((depth + lag + 2) * width * 4))
+    max_rows = min(
+        int(config.scheduler_config.max_num_seqs), RING_BYTES // ((depth + lag + 2) * width * 4)
+    )
     installed = llm.collective_rpc(_install_in_worker, args=(
         parts, getattr(executor, "output_rank", 0), max_rows, depth, lag, width, early))
     found = next((i for i in installed if isinstance(i, dict)), None)
@@ -203,7 +205,8 @@ def _install_in_worker(worker: Any, parts: Any, output_rank: int, max_rows: int,
     sample_tokens = getattr(worker, "sample_tokens", None)
     if sample_tokens is None or getattr(runner, "sample_tokens", None) is None:
         return False
-    if early and not (hasattr(runner, "execute_model_state") and callable(getattr(worker, "execute_model", None))):
+    if early and not (hasattr(runner, "execute_model_state")
+                      and callable(getattr(worker, "execute_model", None))):
         return False  # (its ring would be sized for rows read at once)
     if not installed_on(worker).get("forced"):
         _install_forced(runner, parts.forcing())
@@ -225,7 +228,10 @@ def _install_in_worker(worker: Any, parts: Any, output_rank: int, max_rows: int,
     if remote is None:
         remote = _gather_in(worker, runner, parts, max_rows, depth, lag, width, early)
     ring = remote.ring
-    return {"ring": None if ring is None else ring.handle(), "final_rows": remote.discarded is not None}
+    return {
+        "ring": None if ring is None else ring.handle(),
+        "final_rows": remote.discarded is not None,
+    }
 
 
 def _drop_ring(worker: Any) -> None:

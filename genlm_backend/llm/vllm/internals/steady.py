@@ -185,8 +185,8 @@ class SteadySteps:
         for i, request in enumerate(running):
             computed = request.num_computed_tokens
             if (request.request_id not in last_ran or request.num_tokens - computed != 1
-                    or computed >= limit or request.num_output_placeholders or request.spec_token_ids
-                    or not _is_session(request)):
+                    or computed >= limit or request.num_output_placeholders
+                    or request.spec_token_ids or not _is_session(request)):
                 return None
             starts = computed % block_size == 0
             if starts or (computed + 1) % block_size == 0:
@@ -258,4 +258,5 @@ class SteadySteps:
 def _is_session(request: Any) -> bool:
     """A held session's request: resumable, its outputs only at a chunk's end."""
     final_only = RequestOutputKind.FINAL_ONLY
-    return getattr(request, "resumable", False) and request.sampling_params.output_kind is final_only
+    return (getattr(request, "resumable", False)
+            and request.sampling_params.output_kind is final_only)
