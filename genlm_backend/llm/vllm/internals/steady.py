@@ -116,7 +116,7 @@ def _plain_scheduler(scheduler: Any) -> bool:
 
 class SteadySteps:
     """The wrapped ``schedule`` and ``update_from_output`` of one scheduler, and how many
-    steps took the steady path (``num_steady``) or vLLM's (``num_general``)."""
+    steps took the steady path (``num_steady``)."""
 
     def __init__(self, scheduler: Any, block_size: int):
         self.scheduler = scheduler
@@ -124,8 +124,6 @@ class SteadySteps:
         self._general_schedule = scheduler.schedule
         self._general_update = scheduler.update_from_output
         self.num_steady = 0
-        self.num_general = 0
-        self.num_steady_updates = 0
         self._template: Any = None  # a plain output: held sessions alone, one token each
         self._last: Any = None  # the last output returned
         self._sessions: list[Any] | None = None  # the requests of _last, if it is plain
@@ -133,7 +131,6 @@ class SteadySteps:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = self._steady_output() if self._template is not None else None
         if output is None:
-            self.num_general += 1
             output = self._general_schedule(*args, **kwargs)
             self._sessions = self._plain_sessions(output)
             if self._sessions is not None:
@@ -148,7 +145,6 @@ class SteadySteps:
             model_runner_output
         ):
             return self._general_update(scheduler_output, model_runner_output)
-        self.num_steady_updates += 1
         return {}
 
     def _plain_sessions(self, output: Any) -> list[Any] | None:
