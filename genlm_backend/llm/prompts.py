@@ -96,7 +96,11 @@ class LogprobsRequest:
             return True
         if not isinstance(other, LogprobsRequest):
             return NotImplemented
-        return self._hash == other._hash and self.token_ids == other.token_ids and self.lora_name == other.lora_name
+        return (
+            self._hash == other._hash
+            and self.token_ids == other.token_ids
+            and self.lora_name == other.lora_name
+        )
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.token_ids, self.lora_name))
@@ -126,7 +130,9 @@ class PromptChecker:
     are what Python's garbage collector spends its time on).
     """
 
-    def __init__(self, vocab_size: int, max_len: int | None, remember: int = 4096, min_remember: int = 64):
+    def __init__(
+        self, vocab_size: int, max_len: int | None, remember: int = 4096, min_remember: int = 64
+    ):
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.remember = remember
@@ -142,13 +148,20 @@ class PromptChecker:
         kind = type(token_ids)
         if (kind is list or kind is tuple) and len(token_ids) > 1:
             last = token_ids[-1]
-            if type(last) is int and 0 <= last < self.vocab_size and (self.max_len is None or len(token_ids) <= self.max_len):
+            if (
+                type(last) is int
+                and 0 <= last < self.vocab_size
+                and (self.max_len is None or len(token_ids) <= self.max_len)
+            ):
                 request = self._extension(token_ids, last, lora_name)
                 if request is not None:
                     return request
-        return self._remember(LogprobsRequest(check_token_ids(token_ids, self.vocab_size, self.max_len), lora_name))
+        checked = check_token_ids(token_ids, self.vocab_size, self.max_len)
+        return self._remember(LogprobsRequest(checked, lora_name))
 
-    def _extension(self, token_ids: Any, last: int, lora_name: str | None) -> LogprobsRequest | None:
+    def _extension(
+        self, token_ids: Any, last: int, lora_name: str | None
+    ) -> LogprobsRequest | None:
         """The request of ``token_ids`` built on the remembered request of all but its last
         id, or None when there is none."""
         try:
@@ -167,7 +180,8 @@ class PromptChecker:
         if checked != ids:
             return None
         parent.parent = None  # planned long ago: no chains of requests kept alive
-        return self._remember(LogprobsRequest(checked, lora_name, parent, key=_key(ids_hash, lora_name)))
+        key = _key(ids_hash, lora_name)
+        return self._remember(LogprobsRequest(checked, lora_name, parent, key=key))
 
     def _parent(self, key: int, lora_name: str | None) -> LogprobsRequest | None:
         """The remembered request of hash ``key`` (under ``lora_name``), or None; starts a

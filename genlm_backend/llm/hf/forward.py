@@ -175,7 +175,8 @@ def run_chunk(
     device: torch.device,
     keeps_logits: bool,
 ) -> list[tuple[Step, torch.Tensor]]:
-    """Runs one forward pass, stores its states in ``kv``; returns each step's fp32 log-probabilities.
+    """Runs one forward pass, stores its states in ``kv``; returns each step's fp32
+    log-probabilities.
 
     Rows are ordered by source block so that each block is read once per layer.
     """

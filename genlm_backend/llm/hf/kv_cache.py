@@ -80,7 +80,8 @@ def read_past(cache: Any) -> list[KV]:
     if isinstance(cache, (tuple, list)):  # legacy tuples
         return [(k, v) for k, v, *_ in cache]
     raise RuntimeError(  # pragma: no cover
-        f"genlm_backend cannot read a {type(cache).__name__}; update genlm_backend/llm/hf/kv_cache.py"
+        f"genlm_backend cannot read a {type(cache).__name__}; "
+        "update genlm_backend/llm/hf/kv_cache.py"
     )
 
 
@@ -111,7 +112,8 @@ def returned_cache(output: Any) -> Any:
 
 
 def accepts_logits_to_keep(model: Any) -> bool:
-    """Whether ``model.forward`` takes ``logits_to_keep`` (so logits of other positions are skipped)."""
+    """Whether ``model.forward`` takes ``logits_to_keep`` (so logits of other positions are
+    skipped)."""
     try:
         return "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature

@@ -1,4 +1,5 @@
-"""A trie of token prefixes that remembers the key/value states computed for them, in bounded memory.
+"""A trie of token prefixes that remembers the key/value states computed for them, in bounded
+memory.
 
 Blocks
     Every forward pass of the Hugging Face backend leaves one :class:`KVBlock`: per decoder

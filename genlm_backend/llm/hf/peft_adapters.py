@@ -52,7 +52,9 @@ class AdapterMixin:
         (removed after the request was checked), or None. Call under ``_lock``."""
         if lora_name is None or (self._has_adapters and lora_name in self.model.peft_config):
             return None
-        return InvalidRequestError(f"LoRA adapter {lora_name!r} was removed before this request ran")
+        return InvalidRequestError(
+            f"LoRA adapter {lora_name!r} was removed before this request ran"
+        )
 
     @contextlib.contextmanager
     def _adapter(self, lora_name: str | None) -> Iterator[None]:

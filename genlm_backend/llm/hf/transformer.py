@@ -2,10 +2,10 @@
 
 Requests are auto-batched by the shared batcher of :class:`~genlm_backend.llm.base.AsyncLM`.
 Each batch is evaluated on the model's engine thread: every prompt resumes from the longest
-prefix whose key/value states are cached in a token trie (:mod:`genlm_backend.llm.hf.kvtrie`), the remaining
-tokens of all prompts run in as few padded forward passes as possible (:mod:`genlm_backend.llm.hf.forward`),
-and the new states go back into the trie. Memory for those states is bounded (see
-``max_kv_cache_bytes``), with least-recently-used eviction.
+prefix whose key/value states are cached in a token trie (:mod:`genlm_backend.llm.hf.kvtrie`),
+the remaining tokens of all prompts run in as few padded forward passes as possible
+(:mod:`genlm_backend.llm.hf.forward`), and the new states go back into the trie. Memory
+for those states is bounded (see ``max_kv_cache_bytes``), with least-recently-used eviction.
 """
 
 from __future__ import annotations
@@ -333,7 +333,8 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
         if num_oversized and not self._warned_oversized:
             self._warned_oversized = True
             warnings.warn(
-                f"the key/value states of one forward pass exceeded max_kv_cache_bytes={self._kv.max_bytes} "
+                "the key/value states of one forward pass exceeded "
+                f"max_kv_cache_bytes={self._kv.max_bytes} "
                 "and were not kept: prompts that extend them recompute everything. Raise "
                 "max_kv_cache_bytes (or lower batch_size).",
                 RuntimeWarning,

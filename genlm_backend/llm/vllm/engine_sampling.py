@@ -1,4 +1,5 @@
-"""Sampling options of :class:`~genlm_backend.llm.vllm.AsyncVirtualLM`, mapped to ``SamplingParams``."""
+"""Sampling options of :class:`~genlm_backend.llm.vllm.AsyncVirtualLM`, mapped to
+``SamplingParams``."""
 
 from __future__ import annotations
 
@@ -56,9 +57,12 @@ def build_sampling_params(
 
     unknown = set(options) - set(SAMPLING_OPTIONS)
     if unknown:
-        raise InvalidRequestError(f"unknown sampling options {sorted(unknown)}; known: {SAMPLING_OPTIONS}")
+        raise InvalidRequestError(
+            f"unknown sampling options {sorted(unknown)}; known: {SAMPLING_OPTIONS}"
+        )
     opts = dict(options)
-    stop_ids = set(eos_token_ids) | set(_int_list(opts.pop("stop_token_ids", None) or (), "stop_token_ids"))
+    stop_token_ids = _int_list(opts.pop("stop_token_ids", None) or (), "stop_token_ids")
+    stop_ids = set(eos_token_ids) | set(stop_token_ids)
     structured = _structured_outputs(opts.pop("regex", None), opts.pop("json_schema", None))
     n = opts.pop("n", 1)
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -201,7 +205,9 @@ class SamplingMixin:
         Raises:
             InvalidRequestError: bad prompt, option or adapter (for this caller only).
         """
-        job = self._sample_job(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name, options)
+        job = self._sample_job(
+            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name, options
+        )
         return await self._submit_sample(job)
 
     async def batch_sample(
@@ -226,7 +232,9 @@ class SamplingMixin:
         ]
         return list(await asyncio.gather(*(self._submit_sample(job) for job in jobs)))
 
-    def _sample_job(self, prompt, max_tokens, eos_token_ids, temperature, seed, lora_name, options) -> EngineJob:
+    def _sample_job(
+        self, prompt, max_tokens, eos_token_ids, temperature, seed, lora_name, options
+    ) -> EngineJob:
         request = self._request(prompt, lora_name)
         params = build_sampling_params(
             max_tokens=check_max_tokens(max_tokens),
@@ -235,7 +243,8 @@ class SamplingMixin:
             seed=check_seed(seed),
             options=options,
         )
-        return EngineJob(request.token_ids, params, samples_of(params), self._lora_request(request.lora_name))
+        lora_request = self._lora_request(request.lora_name)
+        return EngineJob(request.token_ids, params, samples_of(params), lora_request)
 
     async def _submit_sample(self, job: EngineJob) -> Any:
         return await submit_with_early_delivery(self._sample_batcher, job)

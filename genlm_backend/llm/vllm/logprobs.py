@@ -31,17 +31,23 @@ class LogprobsMixin:
         try:
             requests = self._with_adapters(requests, batch)
             plan = self._sessions.plan(requests, batch)
-            jobs = [None if r is None or type(entry) is Session else self._logprob_job(r, entry, batch, i)
-                    for i, (r, entry) in enumerate(zip(requests, plan))]
+            jobs = [
+                None if r is None or type(entry) is Session
+                else self._logprob_job(r, entry, batch, i)
+                for i, (r, entry) in enumerate(zip(requests, plan))
+            ]
             continued = Continued.of(
-                self._sessions, requests, plan, batch, lambda request, i: self._logprob_job(request, None, batch, i)
+                self._sessions, requests, plan, batch,
+                lambda request, i: self._logprob_job(request, None, batch, i),
             )
         except BaseException as exc:  # noqa: BLE001 - fails this batch only
             batch.fail(exc)
             return
         self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
 
-    def _logprob_job(self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int) -> EngineJob:
+    def _logprob_job(
+        self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int
+    ) -> EngineJob:
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
         sink = self._sink
         lora_request = self._lora_request(request.lora_name)
@@ -50,12 +56,13 @@ class LogprobsMixin:
         params = copy.copy(base)
         params.extra_args = sink.extra_args(tag)
         if entry is None:
-            job = EngineJob(request.token_ids, params, None, lora_request, None, request.token_ids, None, tag,
-                            batch, i)
+            job = EngineJob(request.token_ids, params, None, lora_request, None,
+                            request.token_ids, None, tag, batch, i)
         else:
             session = entry.session
-            job = EngineJob(entry.tokens, params, None, lora_request, session.request_id, request.token_ids,
-                            session.engine_request, tag, batch, i, family=id(base))
+            job = EngineJob(entry.tokens, params, None, lora_request, session.request_id,
+                            request.token_ids, session.engine_request, tag, batch, i,
+                            family=id(base))
             self._sessions.bind(entry, job, tag)
         if sink.final_in_step and (entry is None or not self._holds):
             sink.expect(tag, job.finish)  # held sessions take their rows themselves
@@ -68,7 +75,8 @@ class LogprobsMixin:
         except BaseException as exc:  # noqa: BLE001 - fails the requests of this batch left
             batch.fail(exc, wake=False)
         finally:
-            try:  # sessions settled before the callers hear: one told of a failure finds them closed
+            # Sessions settled before the callers hear: one told of a failure finds them closed.
+            try:
                 self._sessions.settle(requests, plan, jobs, batch.results)
                 for job in jobs:
                     if job is not None and not isinstance(job.result, torch.Tensor):
@@ -111,8 +119,9 @@ class LogprobsMixin:
         if refusal is not None:
             return refusal
         if not internals.install_listed_rows(engine, CAPTURE_KEY, self._receive_listed):
-            return (f"this vLLM's output processor differs from the checked versions {internals.CHECKED_VERSIONS}: "
-                    "full-vocabulary log-probabilities need the capture logits processor here")
+            return ("this vLLM's output processor differs from the checked versions "
+                    f"{internals.CHECKED_VERSIONS}: full-vocabulary log-probabilities need "
+                    "the capture logits processor here")
         return None
 
     def _receive_listed(self, mark: Any, token_ids: Any, logprobs: Any) -> None:
@@ -140,15 +149,15 @@ class Continued:
     still waiting into plain requests (:meth:`take_jobs`)."""
 
     @classmethod
-    def of(cls, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
-           make_job: Callable[[LogprobsRequest, int], Any]) -> Continued | None:
+    def of(cls, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any],
+           batch: Any, make_job: Callable[[LogprobsRequest, int], Any]) -> Continued | None:
         """The continuations of a planned batch (None if it has none)."""
         if not any(type(entry) is Session for entry in plan):
             return None
         return cls(pool, requests, plan, batch, make_job)
 
-    def __init__(self, pool: SessionPool, requests: Sequence[LogprobsRequest], plan: Sequence[Any], batch: Any,
-                 make_job: Callable[[LogprobsRequest, int], Any]):
+    def __init__(self, pool: SessionPool, requests: Sequence[LogprobsRequest],
+                 plan: Sequence[Any], batch: Any, make_job: Callable[[LogprobsRequest, int], Any]):
         self._pool, self._requests, self._plan, self._batch = pool, requests, plan, batch
         self._make_job = make_job
         self._taken = False
@@ -156,7 +165,10 @@ class Continued:
     def _waiting(self) -> list[tuple[int, Session]]:
         if self._taken or self._batch.left == 0:
             return []
-        return [(i, s) for i, s in enumerate(self._plan) if type(s) is Session and not self._batch.has(i)]
+        return [
+            (i, s) for i, s in enumerate(self._plan)
+            if type(s) is Session and not self._batch.has(i)
+        ]
 
     def any_waiting(self) -> bool:
         """Some continuation may still wait for its row: the batch is not complete (the

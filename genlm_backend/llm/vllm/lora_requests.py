@@ -19,7 +19,9 @@ class LoRAMixin:
     """The adapter handling of ``AsyncVirtualLM`` (``self._lora_requests`` maps a loaded
     adapter's name to its ``LoRARequest``)."""
 
-    def _with_adapters(self, requests: list[LogprobsRequest], batch: RowBatch) -> list[LogprobsRequest | None]:
+    def _with_adapters(
+        self, requests: list[LogprobsRequest], batch: RowBatch
+    ) -> list[LogprobsRequest | None]:
         """``requests``, with None for those whose adapter was removed since they were queued:
         their slots of ``batch`` get the error; the rest of the batch runs."""
         loaded = self._lora_requests
@@ -41,8 +43,8 @@ class LoRAMixin:
             raise InvalidRequestError(f"LoRA adapter folder {lora_path!r} does not exist")
         if not getattr(self.llm.llm_engine.vllm_config, "lora_config", None):
             raise InvalidRequestError(
-                "this engine was started without LoRA support: pass engine_opts={'enable_lora': True, "
-                "'max_lora_rank': R} to from_name"
+                "this engine was started without LoRA support: pass "
+                "engine_opts={'enable_lora': True, 'max_lora_rank': R} to from_name"
             )
         engine = self.llm.llm_engine
         refusal = internals.lora_refusal(engine)

@@ -57,7 +57,8 @@ class EngineJob:
     batch: Any = None
     index: int = 0
     deliver: Callable[[Any], None] | None = None
-    family: Any = None  # jobs of one family differ only in extra_args (new sessions share a template)
+    # Jobs of one family differ only in extra_args (new sessions share a template).
+    family: Any = None
     result: Any = field(default=_PENDING, repr=False)
 
     def unstream(self) -> None:
@@ -94,9 +95,8 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.__dict__)
-        out["prefix_cache_hit_rate"] = (
-            self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
-        )
+        total = self.num_prompt_tokens
+        out["prefix_cache_hit_rate"] = self.num_cached_prompt_tokens / total if total else 0.0
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated()
         else:
@@ -140,7 +140,8 @@ class EngineRunner:
         self._batch: RowBatch | None = None
         self._session_templates: dict = {}  # (job family -> template; internals.open_session)
 
-    def run(self, jobs: Sequence[EngineJob], batch: RowBatch | None = None, continued: Any = None) -> list[Any]:
+    def run(self, jobs: Sequence[EngineJob], batch: RowBatch | None = None,
+            continued: Any = None) -> list[Any]:
         """Runs ``jobs``; returns one result or exception instance per job, in order.
 
         ``batch``: the log-probability batch the jobs deliver to; an engine step may then
@@ -230,13 +231,18 @@ class EngineRunner:
                 request_id = job.stream_id or f"genlm-{next(self._ids)}"
                 try:
                     if job.stream_id is None:
-                        internals.add_request(engine, request_id, job.prompt, job.params, job.lora_request)
+                        internals.add_request(
+                            engine, request_id, job.prompt, job.params, job.lora_request
+                        )
                     elif job.stream_request is None and job.family is not None:
-                        job.stream_request = internals.open_session(engine, self._session_templates, job.family,
-                                                                    request_id, job.prompt, job.params, job.lora_request)
+                        job.stream_request = internals.open_session(
+                            engine, self._session_templates, job.family,
+                            request_id, job.prompt, job.params, job.lora_request,
+                        )
                     else:
                         job.stream_request = internals.add_session_chunk(
-                            engine, request_id, job.prompt, job.params, job.lora_request, job.stream_request
+                            engine, request_id, job.prompt, job.params, job.lora_request,
+                            job.stream_request,
                         )
                 except Exception as exc:  # noqa: BLE001 - vLLM refused this request only
                     job.finish(_invalid(exc))
@@ -244,7 +250,9 @@ class EngineRunner:
                 running[request_id] = job
                 uncounted.add(request_id)
             stalled_since = None
-            while (running or (continued is not None and continued.any_waiting())) and engine.has_unfinished_requests():
+            while (
+                running or (continued is not None and continued.any_waiting())
+            ) and engine.has_unfinished_requests():
                 if self.closed:
                     raise ClosedError("the model was cleaned up while this request ran")
                 self.stats.num_steps += 1
@@ -265,7 +273,8 @@ class EngineRunner:
                         continue
                     del running[output.request_id]
                     try:
-                        result = job.convert(output) if job.convert is not None else self.default_convert(job, output)
+                        result = (job.convert(output) if job.convert is not None
+                                  else self.default_convert(job, output))
                     except Exception as exc:  # noqa: BLE001 - this job's own failure
                         result = exc
                     job.finish(result)
@@ -276,7 +285,9 @@ class EngineRunner:
                 job.finish(EngineError("the engine finished without returning this request"))
             running.clear()
             if continued is not None:
-                continued.fail(lambda: EngineError("the engine finished without returning this request"))
+                continued.fail(
+                    lambda: EngineError("the engine finished without returning this request")
+                )
         finally:
             ids = list(running) + (continued.stream_ids() if continued is not None else [])
             if ids:
@@ -293,7 +304,8 @@ class EngineRunner:
         if free is not None and added > free:
             self.free_parked(jobs, added - free)
 
-    def _check_stall(self, engine: Any, jobs: Sequence[EngineJob], outputs: Any, since: float | None) -> float | None:
+    def _check_stall(self, engine: Any, jobs: Sequence[EngineJob], outputs: Any,
+                     since: float | None) -> float | None:
         """Waiting requests and none running: parked sessions may hold every slot or block (or
         a grammar is still compiling). Frees parked sessions at once; a stall that outlives
         them by ``stall_timeout_s`` is an engine error instead of a hang."""
@@ -305,8 +317,8 @@ class EngineRunner:
                 self.free_parked(jobs, None)
             return now
         if now - since > self.stall_timeout_s:
-            raise EngineError(f"the engine scheduled nothing for {self.stall_timeout_s} s: its slots or KV "
-                              "blocks are held by requests it cannot finish")
+            raise EngineError(f"the engine scheduled nothing for {self.stall_timeout_s} s: its "
+                              "slots or KV blocks are held by requests it cannot finish")
         return since
 
 

@@ -138,7 +138,8 @@ class SessionPool:
 
     # ---- planning a batch -----------------------------------------------------------------
 
-    def plan(self, requests: Sequence[LogprobsRequest | None], batch: Any) -> list[Session | PlanEntry | None]:
+    def plan(self, requests: Sequence[LogprobsRequest | None],
+             batch: Any) -> list[Session | PlanEntry | None]:
         """Per request: the held :class:`Session` it continues (its row goes to ``batch``'s
         slot for it, from the session's next step), a :class:`PlanEntry` (a chunk to add to
         a parked or new session) or None (a plain request; also for a request given as None,
@@ -180,7 +181,8 @@ class SessionPool:
             if session.stamp == stamp or session.status is RUNNING:
                 continue  # another request of this batch extends it first
             session.stamp = session.last_used = stamp
-            key, session.key = session.key, None  # it stands for ``request``'s context once its row is in
+            # It stands for ``request``'s context once its row is in.
+            key, session.key = session.key, None
             if by_key.pop(key, session) is not session:
                 by_key[key] = session  # (another session stands for that context now)
             if key.kept is session:
@@ -222,8 +224,8 @@ class SessionPool:
             warnings.warn(
                 f"more contexts are extended at once than the {self.capacity} live engine sessions "
                 "(the engine's max_num_seqs, or `sessions`): they take turns, and sessions are "
-                "reopened every step; start the engine with engine_opts={'max_num_seqs': N} for N at "
-                "least the number of contexts (particles) a step", RuntimeWarning, stacklevel=1)
+                "reopened every step; start the engine with engine_opts={'max_num_seqs': N} for N "
+                "at least the number of contexts (particles) a step", RuntimeWarning, stacklevel=1)
         return plan
 
     def bind(self, entry: PlanEntry, job: Any, tag: int) -> None:
@@ -295,7 +297,8 @@ class SessionPool:
 
     # ---- after a batch --------------------------------------------------------------------
 
-    def settle(self, requests: Sequence[Any], plan: Sequence[Any], jobs: Sequence[Any], results: Sequence[Any]) -> None:
+    def settle(self, requests: Sequence[Any], plan: Sequence[Any], jobs: Sequence[Any],
+               results: Sequence[Any]) -> None:
         """After a batch: sessions whose request failed (or was retried as a plain request)
         are closed; a chunk whose row came with its output (no holding) parks its session.
         ``jobs`` and ``results`` are aligned with ``requests`` (no job for a continuation)."""

@@ -141,7 +141,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         from .forcing import ForcedSampling
 
         if batch_size is None:
-            batch_size = max(int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs), DEFAULT_BATCH_SIZE)
+            max_num_seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+            batch_size = max(int(max_num_seqs), DEFAULT_BATCH_SIZE)
         tokenizer = startup.hf_tokenizer(llm)
         super().__init__(
             tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
@@ -176,12 +177,14 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         self._sink.remote_final = self._remote is not None and self._remote.final_rows
         self._holds = (
             can_capture
-            and (self._sink.discarded is not None or (self._sink.remote_final and self._remote.early))
+            and (self._sink.discarded is not None
+                 or (self._sink.remote_final and self._remote.early))
             and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
         )
         # A step whose every row is a held session continued by the next batch takes the
         # forced tokens as its sample, without vLLM's sampler (ForcedSampling).
-        self._forcing = internals.install_forced_sampling(engine, ForcedSampling()) if self._holds else None
+        self._forcing = (internals.install_forced_sampling(engine, ForcedSampling())
+                         if self._holds else None)
         # Steps of held sessions alone, each taking its forced token, skip vLLM's general
         # scheduling and outputs: steady steps (not where rows are read at the update).
         self._steady = internals.install_steady_steps(engine) if self._holds else None
@@ -219,7 +222,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         )
 
     @classmethod
-    def from_name(cls, model_name: str, engine_opts: dict | None = None, **kwargs: Any) -> AsyncVirtualLM:
+    def from_name(cls, model_name: str, engine_opts: dict | None = None,
+                  **kwargs: Any) -> AsyncVirtualLM:
         """Starts a ``vllm.LLM`` on ``model_name`` (a local folder or a hub id).
 
         Args:
@@ -314,7 +318,9 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         self._check_open()
         if not isinstance(sessions, int):
             raise TypeError(f"sessions must be True, False or an int, got {sessions!r}")
-        capacity = self._session_slots if sessions is True else min(int(sessions), self._session_slots)
+        capacity = self._session_slots
+        if sessions is not True:
+            capacity = min(int(sessions), capacity)
         usable = self._can_capture and internals.supports_sessions(self.llm.llm_engine)
         capacity = max(capacity, 0) if usable else 0
         self._engine_thread.submit(self._sessions.resize, capacity).result()
@@ -339,8 +345,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         requests = self._requests(one_or_many_prompts(prefixes), lora_name)
         vllm = _require_vllm()
         jobs = [
-            EngineJob(r.token_ids, vllm.SamplingParams(max_tokens=1, detokenize=False), lambda o: None,
-                      self._lora_request(r.lora_name))
+            EngineJob(r.token_ids, vllm.SamplingParams(max_tokens=1, detokenize=False),
+                      lambda o: None, self._lora_request(r.lora_name))
             for r in requests
         ]
         for result in self._engine_thread.submit(self._runner.run, jobs).result():

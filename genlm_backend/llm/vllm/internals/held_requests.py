@@ -62,7 +62,8 @@ def install_cpu_generator_rewind(engine: Any) -> bool:
 
 def _install_generator_rewind(runner: Any) -> bool:
     sampler = getattr(runner, "sampler", None)
-    forward, bookkeeping = getattr(sampler, "forward", None), getattr(runner, "_bookkeeping_sync", None)
+    forward = getattr(sampler, "forward", None)
+    bookkeeping = getattr(runner, "_bookkeeping_sync", None)
     partial_rows = _mask_reader(runner)
     if forward is None or bookkeeping is None or partial_rows is None:
         return False
@@ -76,7 +77,11 @@ def _install_generator_rewind(runner: Any) -> bool:
         saved = []
         if generators:
             partial = partial_rows(logits.shape[0])
-            saved = [(g, g.get_state()) for i, g in generators.items() if i < len(partial) and partial[i]]
+            saved = [
+                (g, g.get_state())
+                for i, g in generators.items()
+                if i < len(partial) and partial[i]
+            ]
         try:
             return forward(logits, sampling_metadata, *args, **kwargs)
         finally:
