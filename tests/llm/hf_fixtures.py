@@ -116,3 +116,14 @@ def reference_logprobs(model, token_ids) -> torch.Tensor:
 def random_prompt(length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
+
+
+def trie_nodes(kv) -> int:
+    """The nodes of every trie of a ``KVTrie`` (its roots not counted)."""
+    stack = [trie.root for trie in kv._tries.values()]
+    total = 0
+    while stack:
+        node = stack.pop()
+        total += 1
+        stack.extend((node.children or {}).values())
+    return total - len(kv._tries)

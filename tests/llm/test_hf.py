@@ -20,6 +20,7 @@ from hf_fixtures import (
     reference_logprobs,
     shared_tiny_llama,
     tiny_tokenizer,
+    trie_nodes,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -241,17 +242,6 @@ async def test_clear_kv_cache_and_clear_cache(hf_model):
         assert lm.stats()["kv_cache_bytes"] == 0 and len(lm.cache) == 0
         row = await lm.next_token_logprobs(prompt + [1])
         assert_close(row, reference_logprobs(hf_model, prompt + [1]))
-
-
-def trie_nodes(kv) -> int:
-    """The nodes of every trie of a ``KVTrie`` (its roots not counted)."""
-    stack = [trie.root for trie in kv._tries.values()]
-    total = 0
-    while stack:
-        node = stack.pop()
-        total += 1
-        stack.extend((node.children or {}).values())
-    return total - len(kv._tries)
 
 
 async def test_memory_bound_evicts_least_recently_used(hf_model):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from hf_fixtures import trie_nodes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -87,11 +88,11 @@ def test_eviction_is_least_recently_used_and_prunes_nodes():
     assert kv.lookup(None, (1, 1, 1, 1), 4)[1] is not None
     assert kv.lookup(None, (2, 2, 2, 2), 4)[1] is None
     assert kv.lookup(None, (3, 3, 3, 3), 4)[1] is not None
-    assert kv.num_nodes() == 8  # the evicted prompt's 4 nodes were pruned
+    assert trie_nodes(kv) == 8  # the evicted prompt's 4 nodes were pruned
     assert kv.num_bytes == 2 * block_bytes
     kv.max_bytes = 0
     kv.evict()
-    assert kv.num_nodes() == 0 and kv.num_bytes == 0 and kv.num_blocks == 0
+    assert trie_nodes(kv) == 0 and kv.num_bytes == 0 and kv.num_blocks == 0
 
 
 def test_evicting_a_prefix_block_keeps_nodes_with_states_below():
@@ -104,7 +105,7 @@ def test_evicting_a_prefix_block_keeps_nodes_with_states_below():
     kv.insert(node, (1, 2, 3, 4, 5), 5, child, 0)
     kv.max_bytes = child.num_bytes
     kv.evict()  # block 1 goes; nodes 1..4 stay (their descendant holds states)
-    assert kv.num_nodes() == 5
+    assert trie_nodes(kv) == 5
     node, source = kv.lookup(None, (1, 2, 3, 9), 3)
     assert node.depth == 3 and source.block is child
     assert read_back(source, 3) == [2e6, 2e6 + 1, 2e6 + 2]
@@ -176,14 +177,14 @@ def test_deep_contexts_use_no_recursion():
         kv.insert(node, prompt, depth, block, 0)
         node, _ = kv.lookup(None, prompt[:-1] + (99,), depth)
         assert node.depth == depth - 1
-        assert kv.num_nodes() == depth
+        assert trie_nodes(kv) == depth
         kv.max_bytes = 0
         kv.evict()  # prunes the whole chain
-        assert kv.num_nodes() == 0
+        assert trie_nodes(kv) == 0
         kv.add_block(block)
         kv.insert(kv.lookup(None, prompt, 0)[0], prompt, depth, block, 0)
         kv.clear()
-        assert kv.num_nodes() == 0
+        assert trie_nodes(kv) == 0
     finally:
         sys.setrecursionlimit(limit)
 
