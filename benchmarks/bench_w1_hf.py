@@ -151,12 +151,15 @@ def run_floor(
 ) -> list[list[int]]:
     from transformers import DynamicCache
 
+    from genlm_backend.llm.hf.kv_cache import cache_argument, returned_cache
+
+    past = cache_argument(model)  # the keyword of this transformers (5.24 renamed it)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         cache = DynamicCache()
         ids = torch.tensor([prompt], device=device)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        out = model(input_ids=ids, **{past: cache}, use_cache=True, logits_to_keep=1)
+        cache = returned_cache(out)
         cache.batch_repeat_interleave(num_particles)
         logprobs = out.logits[:, -1].float().log_softmax(-1).expand(num_particles, -1)
         sampled = []
@@ -165,8 +168,8 @@ def run_floor(
             sampled.append(tokens.view(-1).tolist())
             if step == num_steps - 1:
                 break
-            out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            out = model(input_ids=tokens, **{past: cache}, use_cache=True, logits_to_keep=1)
+            cache = returned_cache(out)
             logprobs = out.logits[:, -1].float().log_softmax(-1)
     return [list(prompt) + [s[i] for s in sampled] for i in range(num_particles)]
 

@@ -85,6 +85,18 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def test_a_wrapped_model_gets_the_cache_keyword_of_this_transformers(hf_model):
+    """A module whose forward passes its keyword arguments on (a user's wrapper) names neither
+    keyword: it gets the one the installed transformers' own models take."""
+    from genlm_backend.llm.hf.kv_cache import cache_argument
+
+    class PassesKeywordsOn(torch.nn.Module):
+        def forward(self, input_ids, **kwargs):
+            return hf_model(input_ids=input_ids, **kwargs)
+
+    assert cache_argument(PassesKeywordsOn()) == cache_argument(hf_model)
+
+
 def test_backend_calls_no_deprecated_transformers_api(hf_model):
     """Every forward-pass shape of the backend (fresh prompts, padded cached states, one-token
     extensions, a LoRA adapter through peft) under warnings that are errors: a transformers

@@ -101,8 +101,23 @@ def _cache_argument(model_class: type) -> str:
     try:
         parameters = inspect.signature(model_class.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-        return "past_key_values"
-    return "cache" if "cache" in parameters else "past_key_values"
+        parameters = {}
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    # A forward that names neither (a wrapper passing its keyword arguments on): the name of
+    # the installed transformers' models.
+    return "cache" if _renamed_cache() else "past_key_values"
+
+
+@functools.cache
+def _renamed_cache() -> bool:
+    """Whether the installed transformers takes ``cache=`` (5.24 and later)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("transformers")) >= Version("5.24")
 
 
 def returned_cache(output: Any) -> Any:
