@@ -131,6 +131,13 @@ def test_building_the_engine_leaves_the_callers_environment_as_it_was(script_run
     assert facts["reads_after"] == facts["reads_before"]
 
 
+def test_requests_reach_the_engine_in_the_form_it_expects(script_run):
+    """vLLM 0.32 deprecates raw prompts to its input processor (one warning per process):
+    requests and sessions give it prompts in its engine's own form."""
+    _facts(script_run)
+    assert "Passing raw prompts" not in script_run["output"]
+
+
 def test_building_the_engine_leaves_the_callers_random_generators_as_they_were(script_run):
     """vLLM seeds Python's, numpy's and torch's global generators as its engine starts (with
     its ``seed``, 0 by default); the caller's generators continue where they were."""

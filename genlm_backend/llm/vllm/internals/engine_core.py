@@ -12,6 +12,11 @@ import torch
 from vllm import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
+try:  # 0.32: a prompt already in the engine's form; raw prompts are deprecated there
+    from vllm.inputs.engine import tokens_input as _tokens_input
+except ImportError:  # 0.26: the engine takes the raw token prompt
+    _tokens_input = None
+
 __all__ = [
     "CHECKED_VERSIONS",
     "NO_DEEP_COPY",
@@ -29,6 +34,7 @@ __all__ = [
     "refill_envs_cache",
     "register_engine",
     "shutdown",
+    "token_prompt",
 ]
 
 CHECKED_VERSIONS = ("0.26.0", "0.32.0")
@@ -101,6 +107,14 @@ def is_cuda_oom(exc: BaseException) -> bool:
     return False
 
 
+def token_prompt(token_ids: tuple[int, ...]) -> Any:
+    """``token_ids`` as this vLLM's engine takes a prompt: its engine input (0.32), which the
+    engine uses as it is, else a ``TokensPrompt``."""
+    if _tokens_input is not None:
+        return _tokens_input(list(token_ids))
+    return TokensPrompt(prompt_token_ids=list(token_ids))
+
+
 def add_request(
     engine: Any, request_id: str, prompt: tuple[int, ...], params: Any, lora_request: Any
 ) -> None:
@@ -112,7 +126,7 @@ def add_request(
     """
     params.output_kind = RequestOutputKind.FINAL_ONLY
     engine.add_request(
-        request_id, TokensPrompt(prompt_token_ids=list(prompt)), params, lora_request=lora_request
+        request_id, token_prompt(prompt), params, lora_request=lora_request
     )
 
 

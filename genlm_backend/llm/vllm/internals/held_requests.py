@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from vllm import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
-from .engine_core import _model_runner, _scheduler
+from .engine_core import _model_runner, _scheduler, token_prompt
 from .installed import installed_on
 
 __all__ = [
@@ -297,7 +296,7 @@ def add_session_chunk(
     base = previous if previous is not None else template
     if base is None:
         request = engine.input_processor.process_inputs(
-            request_id, TokensPrompt(prompt_token_ids=list(tokens)), params,
+            request_id, token_prompt(tokens), params,
             supported_tasks=engine.get_supported_tasks(), lora_request=lora_request, resumable=True,
         )
     else:
