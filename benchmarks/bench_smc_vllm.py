@@ -351,8 +351,9 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir, engine_opts, prompt = workload(args)
     # each engine alone on the machine
     floor = in_child("floor", model_dir, engine_opts, prompt, args)
-    ours = run_ours(model_dir, engine_opts, prompt, args)
+    # The children first: this process keeps the device memory its engine took.
     peer = in_child("peer", model_dir, engine_opts, prompt, args, args.peer) if args.peer else None
+    ours = run_ours(model_dir, engine_opts, prompt, args)
     tables = table(floor, ours, peer, args)
     for w, rows in tables.items():
         print(f"\n{w.upper()} ({'GPU' if args.gpu else 'CPU'}; seconds, medians of {args.repeats})")

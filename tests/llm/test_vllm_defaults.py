@@ -253,7 +253,7 @@ def test_engine_environment_is_set_for_the_build_and_the_callers_comes_back(monk
     callers = {name: os.environ.get(name) for name in ENGINE_VARIABLES}
     for failing in (False, True):
         outcome = pytest.raises(RuntimeError) if failing else contextlib.nullcontext()
-        with outcome, engine_environment({"tensor_parallel_size": 2}, can_capture=True):
+        with outcome, engine_environment({"tensor_parallel_size": 2}, v1_runner=True):
             assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
             assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
             assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"

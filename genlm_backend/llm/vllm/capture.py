@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -46,15 +45,15 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from .forcing import current_forcing, force_tokens
 from .internals import CHECKED_VERSIONS
+from .internals.row_sinks import CAPTURE_KEY
+from .internals.row_sinks import SINKS as _SINKS
+from .internals.row_sinks import DeviceLists as _Staging
 
 __all__ = [
     "CAPTURE_KEY", "CaptureSink", "LogprobsCaptureProcessor", "follow_batch", "set_decisions",
     "set_remote",
 ]
 
-CAPTURE_KEY = "genlm_backend_capture"
-
-_SINKS: weakref.WeakValueDictionary[str, CaptureSink] = weakref.WeakValueDictionary()
 # In an engine worker process whose output the engine reads: where the rows of sinks that
 # live in the engine's process go (see RemoteRows; None elsewhere).
 _REMOTE: Any = None  # a remote_rows.RemoteRows
@@ -85,6 +84,7 @@ class CaptureSink:
         self._lock = threading.Lock()
         self.discarded: Callable[[int], Any] | None = None  # see discard_mask_reader
         self.remote_final = False  # rows come from a worker process that tells partial prefills
+        self.runner_final = False  # the model runner tells final rows (Model Runner V2)
         self.on_step: Callable[[list[int]], dict[int, int]] | None = None
         _SINKS[self.token] = self
 
@@ -92,7 +92,7 @@ class CaptureSink:
     def final_in_step(self) -> bool:
         """Rows reach their targets inside the step that computes them, known to be final
         (else a tag's row is stored, and the last one written wins)."""
-        return self.discarded is not None or self.remote_final
+        return self.discarded is not None or self.remote_final or self.runner_final
 
     def new_tag(self) -> int:
         tag = next(self._tags)
@@ -167,13 +167,23 @@ class CaptureSink:
         mine_only: bool,
         staging: _Staging,
     ) -> list[tuple[int, int]]:
-        """One step of the processor: ``rows`` maps a row index to ``(sink token, tag, output
-        ids)`` (only this sink's rows unless ``mine_only``); returns the ``(index, token)``
-        pairs to force, sorted by index."""
+        """One step of the logits processor: ``rows`` maps a row index to ``(sink token, tag,
+        output ids)`` (only this sink's rows unless ``mine_only``); returns the ``(index,
+        token)`` pairs to force, sorted by index."""
         # Finality unknown (no mask): the last row written before the output wins.
         final = _final_rows(
             rows, self.discarded, logits.shape[0], self.token if mine_only else None
         )
+        return self.hand_over(logits, final, staging)
+
+    def hand_over(
+        self, logits: torch.Tensor, final: list[tuple[int, int]], staging: _Staging
+    ) -> list[tuple[int, int]]:
+        """The rows' part of an engine step, inside it: ``final`` are the ``(row index, tag)``
+        pairs of this sink's final rows of ``logits`` (sorted by index). Each expected row
+        goes to its caller as an fp32 log-softmax; then, where sessions are held, the step
+        waits for the next batch's plan (``on_step``). Returns the ``(index, token)`` pairs
+        that plan forces, sorted by index."""
         followers, targets, slots = self._followers, self._targets, self._rows
         wanted = [
             (i, tag) for i, tag in final if tag in followers or tag in targets or tag in slots
@@ -183,7 +193,7 @@ class CaptureSink:
             with torch.inference_mode(False), torch.no_grad():
                 picked = _rows_of(logits, [i for i, _ in wanted], staging)
                 captured = torch.log_softmax(picked, dim=-1, dtype=torch.float32).unbind(0)  # views
-            if self.discarded is None:
+            if not self.final_in_step:
                 for (_, tag), row in zip(wanted, captured):
                     self.put(tag, row)
             else:
@@ -194,7 +204,8 @@ class CaptureSink:
                         target(row)
                     else:
                         self.put(tag, row)
-        if self.discarded is None or self.on_step is None or not final:
+        in_step = self.discarded is not None or self.runner_final  # (else rows come from a ring)
+        if not in_step or self.on_step is None or not final:
             return []
         forced = self.on_step([tag for _, tag in final])
         if not forced:
@@ -305,38 +316,6 @@ def set_decisions(decisions: dict[str, dict[int, int]] | None) -> None:
     token}}``, decided in the engine's process), or None."""
     global _DECISIONS
     _DECISIONS = decisions
-
-
-class _Staging:
-    """Small int64 lists to the device through one reused pinned buffer: no allocation, and
-    the copy does not wait for the work queued before it (a copy from pageable memory would
-    wait for the forward pass). One list at a time: a new one waits for the last copy. (For
-    the row indices of a capture, which runs while the forward pass may still be on the
-    device.)"""
-
-    def __init__(self, device: torch.device, pin_memory: bool):
-        self.device = device
-        self.pinned = device.type == "cuda" and pin_memory
-        self.host: torch.Tensor | None = None
-        self.dev: torch.Tensor | None = None
-        self.copied: Any = None  # a CUDA event: the last copy out of ``host`` is done
-
-    def put(self, values: list[int]) -> torch.Tensor:
-        if not self.pinned:
-            return torch.tensor(values, dtype=torch.int64).to(self.device)
-        n = len(values)
-        if self.host is None or self.host.shape[0] < n:
-            size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 512)
-            self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
-            self.copied = torch.cuda.Event()
-        else:
-            self.copied.synchronize()  # the host buffer is free again
-        self.host.numpy()[:n] = values
-        out = self.dev[:n]
-        out.copy_(self.host[:n], non_blocking=True)
-        self.copied.record()
-        return out
 
 
 def _final_rows(rows: dict[int, tuple[str, int, list[int]]], discarded: Callable[[int], Any] | None,

@@ -93,6 +93,12 @@ LOGGING_VARIABLES = ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGI
 def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -> Any:
     """Builds ``vllm.LLM(model=model_name, **opts)`` with its engine core in this process.
 
+    With ``can_capture``, the engine hands rows out inside its step: from its sampler where
+    it runs Model Runner V2 (``worker_cls``, :mod:`.internals.model_runner_v2`), else from the
+    capture logits processor on vLLM's V1 runner (added to ``logits_processors``). Where vLLM
+    was asked for the first and chose its V1 runner anyway, that engine is shut down and the
+    second is started.
+
     ``chosen`` are the engine options the caller gave (``opts`` add the defaults): on a CPU,
     unless they size the KV cache, ``kv_cache_memory_bytes`` is :func:`cpu_kv_cache_bytes`.
 
@@ -100,7 +106,6 @@ def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -
         ValueError: on a CPU, one full-length sequence's KV cache does not fit in the
             available memory (raised before any engine starts).
     """
-    import vllm
     from vllm.platforms import current_platform
 
     opts = dict(opts)
@@ -112,7 +117,23 @@ def start_engine(model_name: str, opts: dict, chosen: dict, can_capture: bool) -
     if "use_tqdm_on_load" not in chosen:
         opts["use_tqdm_on_load"] = False  # a progress bar for a load of seconds
     opts.update(quiet_log_defaults(chosen))
-    with _BUILD_LOCK, engine_environment(opts, can_capture), quiet_start(chosen), \
+    if can_capture and internals.runner_v2_refusal(opts) is None:
+        llm = _build(model_name, {**opts, "worker_cls": internals.CAPTURE_WORKER}, chosen, False)
+        if internals.row_sampler(llm.llm_engine) is not None:
+            return llm
+        internals.shutdown(llm)
+    if can_capture:
+        from .capture import LogprobsCaptureProcessor
+
+        processors = [*(opts.get("logits_processors") or []), LogprobsCaptureProcessor]
+        opts["logits_processors"] = processors
+    return _build(model_name, opts, chosen, can_capture)
+
+
+def _build(model_name: str, opts: dict, chosen: dict, v1_runner: bool) -> Any:
+    import vllm
+
+    with _BUILD_LOCK, engine_environment(opts, v1_runner), quiet_start(chosen), \
             kept_random_state():
         return vllm.LLM(model=model_name, **opts)
 
@@ -200,10 +221,11 @@ def quiet_start(chosen: dict) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
+def engine_environment(opts: dict, v1_runner: bool) -> Iterator[None]:
     """While an engine is built: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its core in this
-    process), the V1 model runner where the capture processor is installed and spawned
-    workers for an engine with worker processes (unless the caller chose either). On the way
+    process), the V1 model runner where the capture processor is installed (``v1_runner``)
+    and spawned workers for an engine with worker processes (unless the caller chose
+    either). On the way
     out, also when the build fails, every one of :data:`ENGINE_VARIABLES` gets the caller's
     value back, and vLLM's cache of its variables (which the engine core fills as it starts)
     is read again from the caller's environment."""
@@ -211,7 +233,7 @@ def engine_environment(opts: dict, can_capture: bool) -> Iterator[None]:
     cached = internals.envs_cache_enabled()
     try:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if can_capture:
+        if v1_runner:
             internals.prefer_v1_model_runner()
         internals.prefer_spawned_workers(opts)
         if cached:  # values cached for an earlier engine would hide the ones set above

@@ -154,6 +154,9 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         self._vocab_size = int(self._model_config.get_vocab_size())
         self._runner = EngineRunner(llm)
         self._sink = capture.CaptureSink()
+        # Model Runner V2: the rows come from its sampler, which tells final rows itself.
+        self._row_sampler = internals.row_sampler(llm.llm_engine) if can_capture else None
+        self._sink.runner_final = self._row_sampler is not None
         # A log-probability job's row, where it is taken when its request finishes.
         self._runner.default_convert = lambda job, output: self._sink.take(job.tag)
         self._can_capture = can_capture
@@ -173,18 +176,18 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         # Workers in other processes (tensor parallelism, the "mp" executor) write their rows
         # into a ring this process maps, and the step waits here for the tokens to force.
         self._remote = (internals.install_remote_capture(llm, remote_rows.RemoteParts())
-                        if can_capture else None)
+                        if can_capture and self._row_sampler is None else None)
         self._sink.remote_final = self._remote is not None and self._remote.final_rows
         self._holds = (
             can_capture
-            and (self._sink.discarded is not None
+            and (self._sink.discarded is not None or self._sink.runner_final
                  or (self._sink.remote_final and self._remote.early))
             and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
         )
         # A step whose every row is a held session continued by the next batch takes the
         # forced tokens as its sample, without vLLM's sampler (ForcedSampling).
-        self._forcing = (internals.install_forced_sampling(engine, ForcedSampling())
-                         if self._holds else None)
+        self._forcing = self._row_sampler or (
+            internals.install_forced_sampling(engine, ForcedSampling()) if self._holds else None)
         # Steps of held sessions alone, each taking its forced token, skip vLLM's general
         # scheduling and outputs: steady steps (not where rows are read at the update).
         self._steady = internals.install_steady_steps(engine) if self._holds else None
@@ -255,15 +258,10 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
                 the available memory (before any engine starts); a constructor argument.
         """
         _require_vllm()
-        from .capture import LogprobsCaptureProcessor
-
         chosen = dict(engine_opts or {})
         opts = {**DEFAULT_ENGINE_OPTS, **chosen}
         can_capture = not opts.get("speculative_config")
-        if can_capture:
-            processors = [*(opts.get("logits_processors") or []), LogprobsCaptureProcessor]
-            opts["logits_processors"] = processors
-        else:  # rows from vLLM's list of every token's log-probability
+        if not can_capture:  # rows from vLLM's list of every token's log-probability
             opts.setdefault("max_logprobs", -1)
         with ENGINE_LOCK:  # building runs the model, as a step does
             llm = startup.start_engine(model_name, opts, chosen, can_capture)
@@ -380,6 +378,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
             **super().stats(),
             "sample": self._sample_batcher.stats.as_dict(),
             "engine": {**self._runner.stats.as_dict(),
+                       "model_runner": "v1" if self._row_sampler is None else "v2",
                        "num_forced_steps": 0 if forcing is None else forcing.num_skipped,
                        "num_steady_steps": 0 if steady is None else steady.num_steady},
             "sessions": self._sessions.stats(),

@@ -142,6 +142,10 @@ if TYPE_CHECKING:
     from .listed import install_listed_rows as install_listed_rows
     from .lora_rows import install_lora_base_rows as install_lora_base_rows
     from .lora_rows import lora_refusal as lora_refusal
+    from .model_runner_v2 import CAPTURE_WORKER as CAPTURE_WORKER
+    from .model_runner_v2 import V2_CHECKED_VERSIONS as V2_CHECKED_VERSIONS
+    from .model_runner_v2 import row_sampler as row_sampler
+    from .model_runner_v2 import runner_v2_refusal as runner_v2_refusal
     from .remote import RemoteCapture as RemoteCapture
     from .remote import install_remote_capture as install_remote_capture
     from .steady import install_steady_steps as install_steady_steps
@@ -159,6 +163,10 @@ _MODULE_OF = {
     "install_listed_rows": ".listed",
     "install_lora_base_rows": ".lora_rows",
     "lora_refusal": ".lora_rows",
+    **dict.fromkeys(
+        ("CAPTURE_WORKER", "V2_CHECKED_VERSIONS", "row_sampler", "runner_v2_refusal"),
+        ".model_runner_v2",
+    ),
     "RemoteCapture": ".remote",
     "install_remote_capture": ".remote",
     **dict.fromkeys(

@@ -1,0 +1,207 @@
+"""Rows, held sessions and forced tokens on vLLM's Model Runner V2
+(``internals.model_runner_v2``): the route a CUDA engine of a checked vLLM takes.
+
+The engine tests need such an engine (they run on the GPU machine; a CPU engine runs vLLM's
+V1 runner and is covered by the other vLLM tests). Every row is compared with a plain fp32
+transformers forward pass of the whole context within ``ROW_ATOL`` (on CUDA vLLM's Triton
+attention computes fp32 with TF32 dot products: 2e-2, see ``vllm_fixtures``), so a forced
+token that did not reach the next step's input, a partial prefill taken for a final row, or a
+row handed to the wrong request fails. Which route ran is read from vLLM's own objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import types
+
+import numpy as np
+import pytest
+import torch
+from vllm_fixtures import ENGINE_OPTS, assert_matches, prompts_of
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
+]
+
+
+def v2_engines_here() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    import vllm
+
+    from genlm_backend.llm.vllm import internals
+
+    return vllm.__version__ in internals.V2_CHECKED_VERSIONS
+
+
+on_v2 = pytest.mark.skipif(
+    not v2_engines_here(), reason="Model Runner V2 rows: a CUDA engine of a checked vLLM"
+)
+
+
+def batch_of(**fields):
+    """An input batch as the runner hands it to its sampler: host arrays only."""
+    return types.SimpleNamespace(num_draft_tokens=0, **fields)
+
+
+def test_final_rows_are_the_rows_that_complete_a_prefill_grouped_by_sink():
+    from genlm_backend.llm.vllm.internals.model_runner_v2 import final_rows
+
+    batch = batch_of(
+        num_reqs=5,
+        idx_mapping_np=np.array([5, 2, 7, 1, 3], dtype=np.int32),
+        num_computed_prefill_tokens_np=np.array([10, 0, 3, 4, 0], dtype=np.int32),
+        num_scheduled_tokens=np.array([1, 8, 2, 4, 6], dtype=np.int32),
+        prefill_len_np=np.array([10, 8, 9, 4, 6], dtype=np.int32),
+    )
+    tags = {5: ("a", 11), 2: ("b", 12), 7: ("a", 13), 3: ("a", 14), 9: ("a", 99)}
+    # row 0: a decode step; row 1: a whole prefill; row 2: a partial prefill (3 + 2 < 9);
+    # row 3: no tag; row 4: a prefill that ends in this step.
+    assert final_rows(batch, tags) == {"a": [(0, 11), (4, 14)], "b": [(1, 12)]}
+    batch.num_draft_tokens = 2  # speculative decoding: not this route's
+    assert final_rows(batch, tags) == {}
+
+
+def test_the_route_is_refused_where_rows_cannot_come_from_model_runner_v2():
+    from genlm_backend.llm.vllm import internals
+
+    refusal = internals.runner_v2_refusal
+    if not v2_engines_here():
+        assert refusal({}) is not None
+        return
+    assert refusal({}) is None
+    assert refusal({"enable_lora": True}) == "enable_lora"
+    assert refusal({"tensor_parallel_size": 2}) == "tensor_parallel_size > 1"
+    assert refusal({"logits_processors": [object]}) == "logits_processors"
+    assert refusal({"worker_cls": "my.Worker"}) == "the caller's worker_cls"
+
+
+@pytest.fixture(scope="module")
+def v2_lm(tiny_model_dirs):
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    opts = {key: value for key, value in ENGINE_OPTS.items() if "lora" not in key}
+    lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]), engine_opts=opts)
+    yield lm
+    lm.cleanup()
+
+
+@on_v2
+def test_the_engine_runs_model_runner_v2_and_stats_say_so(v2_lm):
+    from genlm_backend.llm.vllm import internals
+
+    assert v2_lm.stats()["engine"]["model_runner"] == "v2"
+    assert internals.row_sampler(v2_lm.llm.llm_engine) is not None
+    worker = v2_lm.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    assert type(worker.model_runner).__module__ == "vllm.v1.worker.gpu.model_runner"
+    assert not v2_lm.llm.llm_engine.vllm_config.model_config.logits_processors
+
+
+@on_v2
+def test_rows_of_a_batch_spread_over_several_steps_match_a_plain_forward_pass(
+    v2_lm, hf_reference
+):
+    # More prompts than max_num_seqs (8), and prompts longer than a step's 256 tokens.
+    prompts = prompts_of([3, 40, 300, 17, 5, 260, 9, 12, 33, 8, 120], seed=1)
+    v2_lm.set_sessions(False)
+    try:
+        rows = v2_lm.batch_next_token_logprobs_sync(prompts)
+    finally:
+        v2_lm.set_sessions(True)
+    for prompt, row in zip(prompts, rows):
+        assert_matches(row, hf_reference("base", prompt))
+
+
+async def lockstep(lm, hf_reference, contexts, num_steps, resample_every=0):
+    generator = torch.Generator().manual_seed(len(contexts) + num_steps)
+    for step in range(num_steps):
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        for context, row in zip(contexts, rows):
+            assert_matches(row, hf_reference("base", context))
+        tokens = [int(torch.multinomial(r.exp().cpu(), 1, generator=generator)) for r in rows]
+        contexts = [c + [t] for c, t in zip(contexts, tokens)]
+        if resample_every and step % resample_every == resample_every - 1:
+            picks = torch.randint(len(contexts), (len(contexts),), generator=generator)
+            contexts = [list(contexts[i]) for i in picks.tolist()]
+    return contexts
+
+
+@on_v2
+def test_lockstep_sessions_are_held_and_take_their_forced_tokens(v2_lm, hf_reference):
+    v2_lm.close_sessions()
+    before = v2_lm.stats()
+    asyncio.run(lockstep(v2_lm, hf_reference, prompts_of([5] * 6, seed=2), 12))
+    after = v2_lm.stats()
+    continued = after["sessions"]["num_continued"] - before["sessions"]["num_continued"]
+    forced = after["engine"]["num_forced_steps"] - before["engine"]["num_forced_steps"]
+    assert continued >= 6 * 10  # every step after the first two continues every session
+    assert forced >= 10  # steps of held sessions alone skip vLLM's sampler
+
+
+@on_v2
+def test_resampled_contexts_match_a_plain_forward_pass(v2_lm, hf_reference):
+    v2_lm.close_sessions()
+    asyncio.run(lockstep(v2_lm, hf_reference, prompts_of([7] * 8, seed=3), 12, resample_every=3))
+
+
+@on_v2
+def test_sampling_beside_held_sessions_is_what_it_is_alone(v2_lm, hf_reference):
+    prompts = prompts_of([6, 9, 4], seed=4)
+
+    def sample():
+        return v2_lm.batch_sample(prompts, max_tokens=8, eos_token_ids=[], seed=7)
+
+    async def together():
+        sampled = asyncio.ensure_future(sample())
+        await lockstep(v2_lm, hf_reference, prompts_of([5] * 4, seed=5), 8)
+        return await sampled
+
+    v2_lm.close_sessions()
+    beside = asyncio.run(together())
+    alone = asyncio.run(sample())
+    assert [list(s) for s in beside] == [list(s) for s in alone]
+    assert [len(s) for s in beside] == [8, 8, 8]
+
+
+def test_what_the_route_relies_on_is_where_it_was_in_this_vllm():
+    """The names ``internals.model_runner_v2`` reads (its module docstring lists them)."""
+    import dataclasses
+
+    from vllm.v1.worker.gpu import input_batch, model_runner
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+    from vllm.v1.worker.gpu_worker import Worker
+
+    fields = {f.name for f in dataclasses.fields(input_batch.InputBatch)}
+    assert fields >= {
+        "num_reqs", "idx_mapping_np", "num_scheduled_tokens", "num_computed_prefill_tokens_np",
+        "prefill_len_np", "num_draft_tokens", "seq_lens", "cu_num_logits", "idx_mapping",
+    }
+    assert {f.name for f in dataclasses.fields(SamplerOutput)} >= {
+        "sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected",
+    }
+    assert callable(input_batch.get_num_sampled_and_rejected)
+    assert callable(Sampler.add_request) and callable(Sampler.__call__)
+    assert callable(Worker.load_model)
+    assert model_runner.GPUModelRunner.__module__ == "vllm.v1.worker.gpu.model_runner"
+
+
+@on_v2
+def test_rows_are_exact_with_async_scheduling_on(tiny_model_dirs, hf_reference):
+    """vLLM's own default: sessions park between batches instead of being held."""
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    opts = {key: value for key, value in ENGINE_OPTS.items() if "lora" not in key}
+    lm = AsyncVirtualLM.from_name(
+        str(tiny_model_dirs["base"]), engine_opts={**opts, "async_scheduling": True}
+    )
+    try:
+        assert lm.stats()["engine"]["model_runner"] == "v2"
+        asyncio.run(lockstep(lm, hf_reference, prompts_of([6] * 5, seed=6), 6, resample_every=2))
+        rows = lm.batch_next_token_logprobs_sync(prompts_of([300, 4, 50], seed=7))
+        for prompt, row in zip(prompts_of([300, 4, 50], seed=7), rows):
+            assert_matches(row, hf_reference("base", prompt))
+    finally:
+        lm.cleanup()
