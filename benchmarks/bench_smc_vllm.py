@@ -211,7 +211,8 @@ def _top(prof: cProfile.Profile, k: int = 25) -> list[str]:
 
 
 def run_ours(
-    model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace
+    model_dir: Path, engine_opts: dict, prompt: list[int], args: argparse.Namespace,
+    device: bool = False,
 ) -> dict:
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
@@ -222,6 +223,12 @@ def run_ours(
             profile_ours(lm, prompt, n, args, w) for n in args.profile for w in args.workloads
         ]
         out["stats"] = lm.stats()
+        if device:  # how busy the GPU is in a W1 run at the largest N
+            n = max(args.particles)
+            sampler = UserSampler("w1", lm.vocab_size, args.seed)
+            out["device"] = device_busy(
+                lambda: asyncio.run(smc(lm, prompt, n, args.steps, sampler))
+            )
         # vLLM's loop on our own engine (async scheduling off, the capture installed)
         lm.close_sessions()
         out["own_engine_floor"] = time_floor(lm.llm, prompt, args)
@@ -256,11 +263,27 @@ def in_child(
     return {w: {int(n): v for n, v in r.items()} for w, r in result.items()}
 
 
+def device_busy(run: Any) -> dict[str, float] | None:
+    """Runs ``run()`` once under torch's profiler: its wall, the time the GPU spent in
+    kernels and copies meanwhile, and their ratio (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    device = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    return {"wall_s": wall, "device_s": device, "busy": device / wall}
+
+
 def serve(setup: str) -> None:
     setup = json.loads(setup)
     args = parse_args(setup["argv"])
     if setup["role"] == "floor":
-        from vllm import LLM
+        from vllm import LLM, SamplingParams, TokensPrompt
 
         llm = LLM(setup["model"], **setup["opts"])
         async_scheduling = bool(
@@ -270,6 +293,15 @@ def serve(setup: str) -> None:
             "floor": time_floor(llm, setup["prompt"], args),
             "async_scheduling": {0: async_scheduling},
         }
+        n = max(args.particles)
+        params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0,
+                                detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=setup["prompt"])] * n
+        out["device"] = {0: device_busy(lambda: llm.generate(prompts, params, use_tqdm=False))}
+    elif setup["role"] == "ours":
+        report(run_ours(Path(setup["model"]), setup["opts"], setup["prompt"], args, device=True),
+               default=str)
+        return
     else:
         from genlm.backend.llm import AsyncVirtualLM as PeerLM
 

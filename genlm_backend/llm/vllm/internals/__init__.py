@@ -16,6 +16,9 @@ use the names below as ``internals.X``; the modules split them by concern:
 * :mod:`.remote`: rows from engine workers in other processes;
 * :mod:`.lora_rows`: LoRA refusals and the CPU base-row fix;
 * :mod:`.listed`: rows listed by vLLM (speculative decoding);
+* :mod:`.model_runner_v2`, :mod:`.capture_worker`: rows and forced tokens from the sampler of
+  vLLM's Model Runner V2 (CUDA engines of 0.26 in one process);
+* :mod:`.row_sinks`: the registry of this process's row sinks, read by both captures;
 * :mod:`.installed`: what was installed on which of vLLM's objects, kept beside them.
 
 What is relied on:
@@ -85,6 +88,10 @@ What is relied on:
   ``process_outputs(outputs, ...)``; a request's ``new_logprobs`` is a ``LogprobsLists`` whose
   ``logprob_token_ids`` and ``logprobs`` are NumPy arrays of one row per generated token, and
   ``None`` there means "no log-probabilities this step".
+* Model Runner V2 (:mod:`.model_runner_v2`, its module docstring lists what it relies on):
+  ``worker_cls`` names :class:`.capture_worker.CaptureWorker`, whose runner's sampler is
+  wrapped once the model is loaded; :func:`runner_v2_refusal` says where that route is not
+  taken.
 * The V1 model runner (:func:`prefer_v1_model_runner`): 0.32 on CUDA picks Model Runner V2
   by default (``VllmConfig.use_v2_model_runner``), whose loader refuses logits processors
   that are not its own ``LogitsProcessor`` (``v1/worker/gpu/sample/logits_processor/

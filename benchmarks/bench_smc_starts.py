@@ -1,0 +1,113 @@
+"""W1 and W5 of record over alternating engine starts: the floor, ours and 0.3.1, repeated.
+
+The same workloads as ``bench_smc_vllm.py`` (read its docstring), but every engine runs
+alone in a child process of its own, and the three take turns: floor, ours, peer, floor,
+ours, peer, ... (``--starts`` rounds). The spread between engine starts on one machine is
+larger than the spread within one, so a figure here is the median across starts of each
+start's median, with the min and max across starts; ``ratio_nosample`` is taken within each
+start (ours against the floor of the same round). Each start also runs one W1 run at the
+largest N under torch's profiler: ``busy`` is the GPU's kernel time over that run's wall.
+
+    python benchmarks/bench_smc_starts.py --starts 3 --gpu --tokenizer-dir .gpu_assets/tekken \\
+        --peer /tmp/peer
+
+Every other flag is ``bench_smc_vllm.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for `benchmarks`
+
+from benchmarks import bench_smc_vllm as bench
+from benchmarks.common import print_table, run_child, write_json
+from benchmarks.models import workload
+
+
+def start(role: str, model_dir: Path, opts: dict, prompt: list[int], argv: list[str],
+          path: str | None = None) -> dict[str, Any]:
+    """One engine start of ``role`` ("floor", "ours" or "peer") in a child process."""
+    setup = {"role": role, "model": str(model_dir), "opts": opts, "prompt": prompt,
+             "argv": argv}
+    env = dict(os.environ)
+    if role == "floor":  # its engine core in that process, as ours is in its own
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
+    return run_child(bench.__file__, setup, env, f"the {role}'s process")
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def tables(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Per workload and N: medians across starts, with min and max."""
+    out = {}
+    for w in args.workloads:
+        rows = []
+        for n in args.particles:
+            key = str(n)
+            floors = [r["floor"]["floor"][key]["median_s"] for r in rounds]
+            walls = [r["ours"][w][key]["wall"]["median_s"] for r in rounds]
+            nosample = [r["ours"][w][key]["wall_nosample"]["median_s"] for r in rounds]
+            row: dict[str, Any] = {"N": n, "T": args.steps, "starts": len(rounds)}
+            for name, values in (
+                ("floor_s", floors), ("wall_s", walls),
+                ("ratio_nosample", [s / f for s, f in zip(nosample, floors)]),
+            ):
+                s = spread(values)
+                row.update({name: s["median"], f"{name}_min": s["min"], f"{name}_max": s["max"]})
+            if all("peer" in r for r in rounds):
+                peers = [r["peer"][w][key]["wall"]["median_s"] for r in rounds]
+                s = spread([p / o for p, o in zip(peers, walls)])
+                row.update(peer_wall_s=statistics.median(peers), speedup_vs_peer=s["median"],
+                           speedup_vs_peer_min=s["min"], speedup_vs_peer_max=s["max"])
+            rows.append(row)
+        out[w] = rows
+    return out
+
+
+def main() -> dict:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--starts", type=int, default=3)
+    known, rest = parser.parse_known_args()
+    args = bench.parse_args(rest)
+    model_dir, engine_opts, prompt = workload(args)
+    rounds = []
+    for k in range(known.starts):
+        one = {"floor": start("floor", model_dir, engine_opts, prompt, rest),
+               "ours": start("ours", model_dir, engine_opts, prompt, rest)}
+        if args.peer:
+            one["peer"] = start("peer", model_dir, engine_opts, prompt, rest, args.peer)
+        rounds.append(one)
+        print(f"start {k + 1} of {known.starts} done", flush=True)
+    result = tables(rounds, args)
+    for w, rows in result.items():
+        print(f"\n{w.upper()} ({'GPU' if args.gpu else 'CPU'}; medians across "
+              f"{known.starts} starts, each the median of {args.repeats})")
+        print_table(rows, [c for c in rows[0] if not c.endswith(("_min", "_max"))])
+    busy = {"ours_w1": [r["ours"].get("device") for r in rounds],
+            "floor": [r["floor"].get("device", {}).get("0") for r in rounds]}
+    print("\nGPU busy at N =", max(args.particles), busy)
+    payload = {
+        "config": {**vars(args), "starts": known.starts, "model_dir": str(model_dir),
+                   "engine_opts": engine_opts},
+        "tables": result,
+        "device_busy": busy,
+        "model_runner": [r["ours"]["stats"]["engine"].get("model_runner") for r in rounds],
+        "rounds": rounds,
+    }
+    name = args.name or f"smc_starts_{'gpu' if args.gpu else 'cpu'}"
+    print("wrote", write_json(name, payload, args.out_dir))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
