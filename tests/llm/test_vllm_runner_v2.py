@@ -64,6 +64,109 @@ def test_final_rows_are_the_rows_that_complete_a_prefill_grouped_by_sink():
     assert final_rows(batch, tags) == {}
 
 
+class FakeBase:
+    """vLLM's V2 sampler as the runner sees it: greedy tokens of the logits it is given."""
+
+    def __init__(self):
+        self.calls = 0
+        self.added: list[tuple] = []
+        self.penalties_state = "the base sampler's own"
+
+    def add_request(self, slot, prompt_len, params):
+        self.added.append((slot, prompt_len, params))
+
+    def __call__(self, logits, input_batch):
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+        self.calls += 1
+        n = input_batch.num_reqs
+        return SamplerOutput(sampled_token_ids=logits.argmax(-1).view(-1, 1),
+                             logprobs_tensors=None, num_nans=None,
+                             num_sampled=torch.ones(n, dtype=torch.int32),
+                             num_rejected=torch.zeros(n, dtype=torch.int32))
+
+
+class FakeSink:
+    """A sink that records what it is handed and forces ``forced[tag]``."""
+
+    def __init__(self, forced):
+        self.forced, self.handed = forced, []
+
+    def hand_over(self, logits, final, lists):
+        self.handed.append([(i, tag, logits[i].clone()) for i, tag in final])
+        return [(i, self.forced[tag]) for i, tag in final if tag in self.forced]
+
+
+def params_with(capture):
+    return types.SimpleNamespace(extra_args=None if capture is None else
+                                 {"genlm_backend_capture": capture})
+
+
+def four_rows(prefill_done=(True, True, False, True)):
+    """Rows 0-3 at slots 3, 0, 1, 2; row 2 is a partial prefill unless said otherwise."""
+    return batch_of(
+        num_reqs=4, idx_mapping_np=np.array([3, 0, 1, 2], dtype=np.int32),
+        num_computed_prefill_tokens_np=np.array([5, 0, 0, 9], dtype=np.int32),
+        num_scheduled_tokens=np.array([1, 4, 2, 1], dtype=np.int32),
+        prefill_len_np=np.array([5, 4, 2 if prefill_done[2] else 8, 9], dtype=np.int32),
+        seq_lens=torch.tensor([6, 4, 2, 10], dtype=torch.int32),
+    )
+
+
+@pytest.fixture
+def sampler_and_sink():
+    from genlm_backend.llm.vllm.internals.model_runner_v2 import RowSampler
+    from genlm_backend.llm.vllm.internals.row_sinks import SINKS
+
+    sampler = RowSampler(FakeBase(), torch.device("cpu"))
+    sink = FakeSink({})
+    SINKS["test-sink"] = sink
+    for slot, capture in ((0, ["test-sink", 10]), (1, ["test-sink", 11]), (2, None),
+                          (3, ["test-sink", 13])):
+        sampler.add_request(slot, 4, params_with(capture))
+    yield sampler, sink
+    SINKS.pop("test-sink", None)
+
+
+def test_row_sampler_hands_final_tagged_rows_over_and_overwrites_forced_tokens(sampler_and_sink):
+    sampler, sink = sampler_and_sink
+    assert [slot for slot, _, _ in sampler.base.added] == [0, 1, 2, 3]  # passed through
+    assert sampler.penalties_state == "the base sampler's own"  # the runner reads it
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    sink.forced = {13: 7}
+    out = sampler(logits.clone(), four_rows())
+    # Final tagged rows only: row 0 (slot 3, tag 13), row 1 (slot 0, tag 10); row 2 is a
+    # partial prefill, row 3 has no tag.
+    assert [(i, tag) for i, tag, _ in sink.handed[0]] == [(0, 13), (1, 10)]
+    assert torch.equal(sink.handed[0][0][2], logits[0])
+    expected = logits.argmax(-1)
+    expected[0] = 7
+    assert sampler.base.calls == 1 and out.sampled_token_ids.view(-1).tolist() == expected.tolist()
+    assert sampler.num_skipped == 0
+
+
+def test_row_sampler_skips_vllms_sampler_where_every_row_is_forced(sampler_and_sink):
+    sampler, sink = sampler_and_sink
+    sampler.add_request(2, 4, params_with(["test-sink", 12]))
+    sink.forced = {10: 1, 11: 2, 12: 3, 13: 4}
+    out = sampler(torch.zeros(4, 50), four_rows(prefill_done=(True, True, True, True)))
+    assert sampler.base.calls == 0 and sampler.num_skipped == 1
+    # rows 0-3 are slots 3, 0, 1, 2: tags 13, 10, 11, 12
+    assert out.sampled_token_ids.view(-1).tolist() == [4, 1, 2, 3]
+    assert out.num_sampled.tolist() == [1, 1, 1, 1] and out.num_rejected.tolist() == [0] * 4
+    assert out.logprobs_tensors is None
+
+
+def test_row_sampler_leaves_untagged_steps_to_vllm(sampler_and_sink):
+    sampler, sink = sampler_and_sink
+    for slot in range(4):  # plain requests take the slots over
+        sampler.add_request(slot, 4, params_with(None))
+    logits = torch.randn(4, 50)
+    out = sampler(logits, four_rows())
+    assert sink.handed == [] and sampler.base.calls == 1
+    assert out.sampled_token_ids.view(-1).tolist() == logits.argmax(-1).tolist()
+
+
 def test_the_route_is_refused_where_rows_cannot_come_from_model_runner_v2():
     from genlm_backend.llm.vllm import internals
 
@@ -177,12 +280,11 @@ def test_what_the_route_relies_on_is_where_it_was_in_this_vllm():
     fields = {f.name for f in dataclasses.fields(input_batch.InputBatch)}
     assert fields >= {
         "num_reqs", "idx_mapping_np", "num_scheduled_tokens", "num_computed_prefill_tokens_np",
-        "prefill_len_np", "num_draft_tokens", "seq_lens", "cu_num_logits", "idx_mapping",
+        "prefill_len_np", "num_draft_tokens", "seq_lens",
     }
     assert {f.name for f in dataclasses.fields(SamplerOutput)} >= {
         "sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected",
     }
-    assert callable(input_batch.get_num_sampled_and_rejected)
     assert callable(Sampler.add_request) and callable(Sampler.__call__)
     assert callable(Worker.load_model)
     assert model_runner.GPUModelRunner.__module__ == "vllm.v1.worker.gpu.model_runner"

@@ -22,4 +22,4 @@ class CaptureWorker(Worker):
         if type(runner).__module__ != "vllm.v1.worker.gpu.model_runner":
             return  # vLLM chose its V1 runner: no rows here (row_sampler() says None)
         if getattr(runner, "sampler", None) is not None:
-            runner.sampler = RowSampler(runner.sampler, runner.req_states, runner.device)
+            runner.sampler = RowSampler(runner.sampler, runner.device)

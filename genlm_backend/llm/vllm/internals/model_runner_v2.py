@@ -19,10 +19,9 @@ engine step:
 What is relied on (0.26.0): ``vllm.v1.worker.gpu_worker.Worker.load_model``; the runner's
 ``sampler`` (called as ``sampler(logits, input_batch) -> SamplerOutput``,
 ``add_request(slot, prompt_len, params)`` for each request it adds, every other attribute
-read through), its ``req_states.prefill_len`` and ``device``; ``InputBatch.num_reqs``,
-``idx_mapping_np``, ``num_scheduled_tokens``, ``num_computed_prefill_tokens_np``,
-``prefill_len_np``, ``num_draft_tokens``, ``seq_lens``, ``cu_num_logits``, ``idx_mapping``;
-``SamplerOutput`` and ``get_num_sampled_and_rejected``. ``tests/llm/test_vllm_runner_v2.py``
+read through) and ``device``; ``InputBatch.num_reqs``, ``idx_mapping_np``,
+``num_scheduled_tokens``, ``num_computed_prefill_tokens_np``, ``prefill_len_np``,
+``num_draft_tokens`` and ``seq_lens``; ``SamplerOutput``. ``tests/llm/test_vllm_runner_v2.py``
 checks these names and fails loudly where they move.
 """
 
@@ -82,9 +81,8 @@ def row_sampler(engine: Any) -> RowSampler | None:
 class RowSampler:
     """Model Runner V2's sampler, wrapped (see the module)."""
 
-    def __init__(self, base: Any, req_states: Any, device: torch.device):
+    def __init__(self, base: Any, device: torch.device):
         self.base = base
-        self.req_states = req_states
         self.tags: dict[int, tuple[str, int]] = {}  # request slot -> (sink token, tag)
         self.lists = DeviceLists(device, pin_memory=True)
         self.num_skipped = 0  # steps whose every token was forced: vLLM's sampler did not run
@@ -119,18 +117,14 @@ class RowSampler:
         return out
 
     def _forced_output(self, tokens: list[int], input_batch: Any) -> Any:
-        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
         # A copy of its own: vLLM reads the tokens on another stream after this returns.
         sampled = self.lists.put(tokens).clone().view(-1, 1)
-        seq_lens = input_batch.seq_lens
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
-            seq_lens.new_ones(input_batch.num_reqs), seq_lens, input_batch.cu_num_logits,
-            input_batch.idx_mapping, self.req_states.prefill_len.gpu,
-        )
+        # Every row is a final one with one logit: one token sampled, none rejected.
+        num_sampled = input_batch.seq_lens.new_ones(input_batch.num_reqs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None, num_nans=None,
-                             num_sampled=num_sampled, num_rejected=num_rejected)
+                             num_sampled=num_sampled, num_rejected=torch.zeros_like(num_sampled))
 
 
 def final_rows(input_batch: Any, tags: dict[int, tuple[str, int]]
