@@ -1,5 +1,5 @@
-"""How :class:`~genlm_backend.llm.vllm.AsyncVirtualLM` runs a log-probability batch on the
-engine thread: match the requests to sessions, make their engine jobs, run them, settle the
+"""How the vLLM engine (:class:`.vllm_engine.VLLMEngine`) runs a log-probability batch on
+its thread: match the requests to sessions, make their engine jobs, run them, settle the
 sessions; the holds between steps; and the rows vLLM lists where no capture processor runs
 (speculative decoding)."""
 
@@ -20,8 +20,8 @@ __all__ = ["Continued", "LogprobsMixin", "listing_refusal"]
 
 
 class LogprobsMixin:
-    """The log-probability path of ``AsyncVirtualLM`` (its engine, sink, sessions and runner
-    are set up by its constructor)."""
+    """The log-probability steps of :class:`.vllm_engine.VLLMEngine` (its ``llm``, sink,
+    sessions, adapters, runner and thread are set up by its constructor)."""
 
     def _start_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
         """On the engine thread: matches ``requests`` to sessions, then runs them next.
@@ -29,7 +29,7 @@ class LogprobsMixin:
         Requests that continue held sessions get no job: their rows come from the sessions'
         next step (see :mod:`.session_pool`)."""
         try:
-            requests = self._with_adapters(requests, batch)
+            requests = self.lora.with_adapters(requests, batch)
             plan = self._sessions.plan(requests, batch)
             jobs = [
                 None if r is None or type(entry) is Session
@@ -43,14 +43,14 @@ class LogprobsMixin:
         except BaseException as exc:  # noqa: BLE001 - fails this batch only
             batch.fail(exc)
             return
-        self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
+        self.thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
 
     def _logprob_job(
         self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int
     ) -> EngineJob:
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
         sink = self._sink
-        lora_request = self._lora_request(request.lora_name)
+        lora_request = self.lora.request(request.lora_name)
         tag = sink.next_tag() if sink.final_in_step else sink.new_tag()
         base = self._held_params if entry is not None and self._holds else self._plain_params
         params = copy.copy(base)
@@ -101,7 +101,7 @@ class LogprobsMixin:
             return {}
         if self._runner.can_hold():  # the batch's rows go to the loop now
             self._sessions.decided = False
-            self._engine_thread.hold(lambda: self._sessions.decided, self.session_hold_s)
+            self.thread.hold(lambda: self._sessions.decided, self.session_hold_s)
         return self._sessions.release()
 
     def _park(self, session: Any) -> None:
@@ -115,7 +115,7 @@ class LogprobsMixin:
         """Takes the listed rows from this engine's step outputs; returns why it cannot, or None."""
         from .capture import CAPTURE_KEY  # imports vllm
 
-        refusal = listing_refusal(self._model_config.max_logprobs, self._vocab_size)
+        refusal = listing_refusal(self._model_config.max_logprobs, self.vocab_size)
         if refusal is not None:
             return refusal
         if not internals.install_listed_rows(engine, CAPTURE_KEY, self._receive_listed):
@@ -128,7 +128,7 @@ class LogprobsMixin:
         """A row vLLM listed (token ids and their log-probabilities) for one of our requests."""
         token, tag = mark
         if token == self._sink.token:
-            row = torch.full((self._vocab_size,), float("-inf"), dtype=torch.float32)
+            row = torch.full((self.vocab_size,), float("-inf"), dtype=torch.float32)
             row[torch.from_numpy(token_ids).long()] = torch.from_numpy(logprobs).float()
             self._sink.receive(tag, row)
 
