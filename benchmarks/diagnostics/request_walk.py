@@ -36,7 +36,7 @@ class Recorder:
         self.on = False
         self.calls: list[tuple[int, str, str | None]] = []
 
-    def profile(self, frame, event, arg):  # noqa: ARG002 - sys.setprofile's signature
+    def profile(self, frame, event, arg):  # sys.setprofile's signature
         if event != "call" or not self.on:
             return
         name = frame.f_code.co_filename

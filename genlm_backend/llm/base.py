@@ -10,8 +10,7 @@ the rest: input validation, the batcher, the output cache, adapter names (from
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,29 +21,13 @@ from ..exceptions import ClosedError, InvalidRequestError
 from ..sync_calls import run_sync
 from .adapters import Adapters
 from .default_sampling import StepwiseSampling
-from .engine import Engine
+from .engine import Engine, stops_what_it_started
 from .prompts import LogprobsRequest, PromptChecker
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = ["AsyncLM", "LogprobsRequest", "stops_what_it_started"]
-
-def stops_what_it_started(init: Callable[..., None]) -> Callable[..., None]:
-    """Wraps a backend's ``__init__``: when it raises, what it started so far (the engine
-    batchers, the engine's thread; :meth:`AsyncLM._stop_started`) is stopped before the
-    error goes on. A model or engine it was given is left as it is: it is the caller's."""
-
-    @functools.wraps(init)
-    def wrapped(self: AsyncLM, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            self._stop_started()
-            raise
-
-    return wrapped
-
 
 class AsyncLM(StepwiseSampling, Adapters):
     """A language model whose next-token log-probabilities are awaited and auto-batched.

@@ -22,6 +22,7 @@ sampler (:class:`SamplingEngine`); :class:`AsyncLM` uses them where they are the
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,7 +30,14 @@ from ..engine_thread import EngineThread, TurnLock
 from ..exceptions import ClosedError
 from .prompts import LogprobsRequest
 
-__all__ = ["AdapterEngine", "Engine", "EngineAttribute", "SamplingEngine", "ThreadedEngine"]
+__all__ = [
+    "AdapterEngine",
+    "Engine",
+    "EngineAttribute",
+    "SamplingEngine",
+    "ThreadedEngine",
+    "stops_what_it_started",
+]
 
 
 @runtime_checkable
@@ -101,6 +109,22 @@ class SamplingEngine(Protocol):
         unknown). Stops after ``max_tokens`` tokens or before the first id in
         ``eos_token_ids``, which is not returned. Called on the event loop."""
         ...
+
+
+def stops_what_it_started(init: Callable[..., None]) -> Callable[..., None]:
+    """Wraps an ``__init__`` (of a model or an engine): when it raises, what it started so
+    far (threads, batchers) is stopped by its ``_stop_started()`` before the error goes on.
+    A model or engine it was given is left as it is: it is the caller's."""
+
+    @functools.wraps(init)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self._stop_started()
+            raise
+
+    return wrapped
 
 
 class ThreadedEngine:

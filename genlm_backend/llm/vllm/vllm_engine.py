@@ -33,7 +33,7 @@ import torch
 
 from ...engine_thread import EngineThread
 from ...exceptions import EngineError
-from ..base import stops_what_it_started
+from ..engine import stops_what_it_started
 from ..prompts import LogprobsRequest
 from . import internals
 from .engine_sampling import EngineSampler
