@@ -46,6 +46,7 @@ def install() -> None:
     from genlm_backend.llm.vllm import capture as vllm_capture
     from genlm_backend.llm.vllm import runner as vllm_engine
     from genlm_backend.llm.vllm import session_pool as vllm_sessions
+    from genlm_backend.llm.vllm.logprobs import LogprobSteps
     from genlm_backend.llm.vllm.vllm_engine import VLLMEngine
 
     for owner, names in (
@@ -55,7 +56,8 @@ def install() -> None:
         (vllm_capture.LogprobsCaptureProcessor, ("apply",)),
         (vllm_capture.CaptureSink, ("capture",)),
         (vllm_sessions.SessionPool, ("plan", "deliver", "release", "settle")),
-        (VLLMEngine, ("_start_batch", "_on_step")),
+        (LogprobSteps, ("start_batch",)),
+        (VLLMEngine, ("_on_step",)),
         (engine_thread.EngineThread, ("hold",)),
         (vllm_engine.RowBatch, ("wake",)),
     ):

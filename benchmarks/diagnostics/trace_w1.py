@@ -74,6 +74,7 @@ def install() -> None:
     from genlm_backend.llm.vllm import remote_rows
     from genlm_backend.llm.vllm import runner as vllm_engine
     from genlm_backend.llm.vllm import session_pool as vllm_sessions
+    from genlm_backend.llm.vllm.logprobs import LogprobSteps
     from genlm_backend.llm.vllm.vllm_engine import VLLMEngine
 
     wrap(vllm_capture.LogprobsCaptureProcessor, "apply", "apply", "apply_end")
@@ -81,7 +82,7 @@ def install() -> None:
     wrap(vllm_engine, "_resolve", "rows_on_loop", None)
     wrap(UserSampler, "step", "draw", "draw_end")
     wrap(VLLMEngine, "evaluate", "batch_in", None)
-    wrap(VLLMEngine, "_start_batch", "plan", "plan_end")
+    wrap(LogprobSteps, "start_batch", "plan", "plan_end")
     wrap(EngineThread, "hold", None, "hold_end")
     wrap(EngineThread, "submit_hold_safe", "to_engine", None)
     wrap(vllm_sessions.SessionPool, "plan", None, "sessions_planned")

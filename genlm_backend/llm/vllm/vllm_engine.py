@@ -37,7 +37,7 @@ from ..engine import stops_what_it_started
 from ..prompts import LogprobsRequest
 from . import internals
 from .engine_sampling import EngineSampler
-from .logprobs import LogprobsMixin
+from .logprobs import LogprobSteps, listing_refusal
 from .lora_requests import LoRARequests
 from .runner import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
 from .session_pool import SessionPool
@@ -48,7 +48,7 @@ __all__ = ["CLOSE_WAIT_S", "VLLMEngine"]
 CLOSE_WAIT_S = 60.0
 
 
-class VLLMEngine(LogprobsMixin):
+class VLLMEngine:
     """Runs log-probability batches and sampling requests through one ``vllm.LLM``.
 
     Args (see :class:`~genlm_backend.llm.vllm.AsyncVirtualLM`, which builds it):
@@ -139,6 +139,11 @@ class VLLMEngine(LogprobsMixin):
             between_steps=self.thread.pass_turn,
             free_parked=self._sessions.free_parked,
         )
+        self._steps = LogprobSteps(
+            sessions=self._sessions, sink=self._sink, lora=self.lora, runner=self._runner,
+            thread=self.thread, holds=self._holds, plain_params=self._plain_params,
+            held_params=self._held_params,
+        )
         # A sampling batch is one engine call that vLLM schedules continuously: capping it at
         # the log-probability batch size would run the chunks of one batch one after another.
         self.sampler = EngineSampler(self._runner, self.thread, self.lora, sample_batch_size,
@@ -153,7 +158,7 @@ class VLLMEngine(LogprobsMixin):
         batch = RowBatch(asyncio.get_running_loop(), len(requests), deferred=self._holds)
         # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
         # runs inside it and decides which sessions continue.
-        self.thread.submit_hold_safe(self._start_batch, requests, batch)
+        self.thread.submit_hold_safe(self._steps.start_batch, requests, batch)
         return batch.future
 
     async def sample(self, request: LogprobsRequest, max_tokens: int,
@@ -235,6 +240,54 @@ class VLLMEngine(LogprobsMixin):
     def _take_row(self, job: EngineJob, output: Any) -> Any:
         """A log-probability job's row, where it is taken when its request finishes."""
         return self._sink.take(job.tag)
+
+    def _on_retry(self, jobs: list[EngineJob]) -> None:
+        """Before jobs run again as plain requests (after an out-of-memory error): their
+        sessions are gone; their rows go to the jobs themselves."""
+        for job in jobs:
+            session = None if job.stream_id is None else self._sessions.get(job.stream_id)
+            if session is not None:
+                self._sessions.close(session)
+            if job.tag is not None and self._sink.final_in_step:
+                self._sink.expect(job.tag, job.finish)
+
+    def _on_step(self, tags: list[int]) -> dict[int, int]:
+        """Inside an engine step, after its rows went out: holds the step for the next batch's
+        plan while the held sessions wait for it; returns the tokens to force."""
+        if not self._sessions.holds:
+            return {}
+        if self._runner.can_hold():  # the batch's rows go to the loop now
+            self._sessions.decided = False
+            self.thread.hold(lambda: self._sessions.decided, self.session_hold_s)
+        return self._sessions.release()
+
+    def _park(self, session: Any) -> None:
+        request, llm = session.engine_request, self.llm
+        if llm is None:
+            return
+        if request is None or not internals.park(llm.llm_engine, request.request_id):
+            self._sessions.close(session)
+
+    def _install_listing(self, engine: Any) -> str | None:
+        """Takes the listed rows from this engine's step outputs; returns why it cannot, or None."""
+        from .capture import CAPTURE_KEY  # imports vllm
+
+        refusal = listing_refusal(self._model_config.max_logprobs, self.vocab_size)
+        if refusal is not None:
+            return refusal
+        if not internals.install_listed_rows(engine, CAPTURE_KEY, self._receive_listed):
+            return ("this vLLM's output processor differs from the checked versions "
+                    f"{internals.CHECKED_VERSIONS}: full-vocabulary log-probabilities need "
+                    "the capture logits processor here")
+        return None
+
+    def _receive_listed(self, mark: Any, token_ids: Any, logprobs: Any) -> None:
+        """A row vLLM listed (token ids and their log-probabilities) for one of our requests."""
+        token, tag = mark
+        if token == self._sink.token:
+            row = torch.full((self.vocab_size,), float("-inf"), dtype=torch.float32)
+            row[torch.from_numpy(token_ids).long()] = torch.from_numpy(logprobs).float()
+            self._sink.receive(tag, row)
 
     def _abort(self, request_ids: list[str]) -> None:
         self._runner.abort(request_ids)
