@@ -43,7 +43,8 @@ class StepwiseSampling:
         and draws from ``softmax(logprobs / temperature)`` with a CPU generator seeded by
         ``seed``, on a thread of the model's own (off the event loop); temperature 0 is
         greedy. Stops after ``max_tokens`` tokens or at the first token whose id is in
-        ``eos_token_ids``, which is not returned.
+        ``eos_token_ids``, which is not returned. Where the engine has a sampler of its own
+        (:class:`~genlm_backend.llm.engine.SamplingEngine`), that samples instead.
 
         Args:
             prompt_token_ids: the prompt, in any form :meth:`next_token_logprobs` takes.
