@@ -155,7 +155,7 @@ def profile_ours(
     loop_prof, engine_prof = cProfile.Profile(), cProfile.Profile()
     per_thread = sys.version_info < (3, 12)
     if per_thread:
-        lm._engine_thread.submit(engine_prof.enable).result()
+        lm.engine.thread.submit(engine_prof.enable).result()
     sampler = UserSampler(workload, lm.vocab_size, args.seed)
     loop_prof.enable()
     start = time.perf_counter()
@@ -171,7 +171,7 @@ def profile_ours(
         "top": _top(loop_prof),
     }
     if per_thread:
-        lm._engine_thread.submit(engine_prof.disable).result()
+        lm.engine.thread.submit(engine_prof.disable).result()
         out.update(engine_split=_split(engine_prof), engine_top=_top(engine_prof))
     return out
 

@@ -53,13 +53,14 @@ class Change:
         self.name, self.lm = name, lm
         self.modes = {"steady": ("on", "off"), "call": ("coroutine", "future"),
                       "slots": ("all", "spare")}[name]
-        if name == "steady" and lm._steady is None:
+        if name == "steady" and lm.engine._steady is None:
             raise SystemExit("the steady path is not installed on this engine")
 
     def switch(self, mode: str) -> None:
         lm, default = self.lm, mode == self.modes[0]
         if self.name == "steady":
-            steady, scheduler = lm._steady, lm._steady.scheduler
+            steady = lm.engine._steady
+            scheduler = steady.scheduler
             # "off": the scheduler's calls as they were before steady steps wrapped them
             # (monkeypatched here: nothing in the package switches them back)
             scheduler.schedule = steady.schedule if default else steady._general_schedule

@@ -41,15 +41,16 @@ from benchmarks.bench_smc_vllm import UserSampler, smc
 from benchmarks.common import print_table, summarise, write_json
 from benchmarks.particles import ParticleDraws
 from genlm_backend.llm.base import AsyncLM
+from genlm_backend.llm.engine import ThreadedEngine
 
 
-class InstantLM(AsyncLM):
+class InstantEngine(ThreadedEngine):
     """Answers every batch at once with stored rows, from its engine thread: views of one
     fresh ``[k, V]`` tensor, as the real backends hand out a batch's rows."""
 
     def __init__(self, vocab_size: int, evict_mb: int = 0):
-        super().__init__(None, batch_size=4096)
-        self._vocab_size = vocab_size
+        super().__init__("instant-engine")
+        self.vocab_size = vocab_size
         self.rows = torch.randn(256, vocab_size).log_softmax(-1)
         # one a cache line
         self.evict_lines = torch.zeros(evict_mb * 2**20 // 8, dtype=torch.float64)[::8]
@@ -58,13 +59,7 @@ class InstantLM(AsyncLM):
         if self.evict_lines.numel():
             self.evict_lines.add_(1.0)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    _evaluates_on_loop = True  # as AsyncVirtualLM: the loop hands the batch over, gets a future
-
-    def _evaluate_logprobs(self, requests):
+    def evaluate(self, requests):  # as vLLM's: the loop hands the batch over, gets a future
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -74,8 +69,12 @@ class InstantLM(AsyncLM):
             block = self.rows[torch.arange(len(requests)) % 256]
             loop.call_soon_threadsafe(future.set_result, list(block.unbind(0)))
 
-        self._engine_thread.submit(evaluate)
+        self.thread.submit(evaluate)
         return future
+
+
+def instant_lm(vocab_size: int, evict_mb: int = 0) -> AsyncLM:
+    return AsyncLM(None, InstantEngine(vocab_size, evict_mb), batch_size=4096)
 
 
 class _Batch:
@@ -97,7 +96,7 @@ class _Batch:
 
 
 async def lockstep(
-    lm: InstantLM, prompt: list[int], num_particles: int, num_steps: int, sampler: str
+    lm: AsyncLM, prompt: list[int], num_particles: int, num_steps: int, sampler: str
 ) -> None:
     if sampler == "w1":
         await smc(lm, prompt, num_particles, num_steps, UserSampler("w1", lm.vocab_size, seed=0))
@@ -165,7 +164,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lm = InstantLM(args.vocab, args.evict_mb)
+    lm = instant_lm(args.vocab, args.evict_mb)
     prompt = [random.Random(0).randrange(args.vocab) for _ in range(args.context)]
     rows = []
     for n in args.particles:
@@ -183,7 +182,7 @@ def main() -> None:
         row = {"N": n, "T": args.steps}
         start = time.perf_counter()
         for _ in range(args.steps):
-            lm.evict()
+            lm.engine.evict()
         row["evict_us"] = (time.perf_counter() - start) * 1e6 / (n * args.steps)
         for name, seconds in times.items():
             summary = summarise(seconds[1:])

@@ -42,10 +42,12 @@ def wrap(owner: object, name: str, label: str | None = None) -> None:
 
 def install() -> None:
     from genlm_backend import _batch_queue, batching, engine_thread
-    from genlm_backend.llm import prompts, vllm
+    from genlm_backend.llm import prompts
     from genlm_backend.llm.vllm import capture as vllm_capture
     from genlm_backend.llm.vllm import runner as vllm_engine
     from genlm_backend.llm.vllm import session_pool as vllm_sessions
+    from genlm_backend.llm.vllm.logprobs import LogprobSteps
+    from genlm_backend.llm.vllm.vllm_engine import VLLMEngine
 
     for owner, names in (
         (_batch_queue.LoopQueue, ("start", "finish")),
@@ -54,7 +56,8 @@ def install() -> None:
         (vllm_capture.LogprobsCaptureProcessor, ("apply",)),
         (vllm_capture.CaptureSink, ("capture",)),
         (vllm_sessions.SessionPool, ("plan", "deliver", "release", "settle")),
-        (vllm.AsyncVirtualLM, ("_start_batch", "_on_step")),
+        (LogprobSteps, ("start_batch",)),
+        (VLLMEngine, ("_on_step",)),
         (engine_thread.EngineThread, ("hold",)),
         (vllm_engine.RowBatch, ("wake",)),
     ):

@@ -69,22 +69,24 @@ def wrap(owner: object, name: str, before: str | None, after: str | None) -> Non
 def install() -> None:
     from genlm_backend import _batch_queue
     from genlm_backend.engine_thread import EngineThread
-    from genlm_backend.llm import base, vllm
+    from genlm_backend.llm import base
     from genlm_backend.llm.vllm import capture as vllm_capture
     from genlm_backend.llm.vllm import remote_rows
     from genlm_backend.llm.vllm import runner as vllm_engine
     from genlm_backend.llm.vllm import session_pool as vllm_sessions
+    from genlm_backend.llm.vllm.logprobs import LogprobSteps
+    from genlm_backend.llm.vllm.vllm_engine import VLLMEngine
 
     wrap(vllm_capture.LogprobsCaptureProcessor, "apply", "apply", "apply_end")
     wrap(vllm_capture.CaptureSink, "capture", None, "rows_out")
     wrap(vllm_engine, "_resolve", "rows_on_loop", None)
     wrap(UserSampler, "step", "draw", "draw_end")
-    wrap(vllm.AsyncVirtualLM, "_evaluate_logprobs", "batch_in", None)
-    wrap(vllm.AsyncVirtualLM, "_start_batch", "plan", "plan_end")
+    wrap(VLLMEngine, "evaluate", "batch_in", None)
+    wrap(LogprobSteps, "start_batch", "plan", "plan_end")
     wrap(EngineThread, "hold", None, "hold_end")
     wrap(EngineThread, "submit_hold_safe", "to_engine", None)
     wrap(vllm_sessions.SessionPool, "plan", None, "sessions_planned")
-    wrap(vllm.AsyncVirtualLM, "_on_step", "on_step", None)
+    wrap(VLLMEngine, "_on_step", "on_step", None)
     wrap(_batch_queue.LoopQueue, "start", "batch_start", None)
     wrap(_batch_queue.LoopQueue, "finish", "resolve", "resolved")
     wrap(base.AsyncLM, "next_token_logprobs", "request", None)

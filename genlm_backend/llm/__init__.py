@@ -1,11 +1,12 @@
 """Language-model backends behind one contract, :class:`AsyncLM`.
 
 Here: the contract (:mod:`.base`, with :mod:`.prompts`, :mod:`.validation` and
-:mod:`.adapters`), :class:`MockAsyncLM`, :func:`load_model_by_name` (:mod:`.loading`) and
-the embedded default model. The backends are packages: :mod:`.vllm` (``AsyncVirtualLM``,
-with :mod:`.vllm.internals`, the seam to vLLM's private parts) and :mod:`.hf`
-(``AsyncTransformer``). They are imported on first use, so importing this package never
-imports vllm.
+:mod:`.adapters`), composed around an engine (:mod:`.engine`: the protocol a backend's
+engine follows, also for backends of your own), :class:`MockAsyncLM`,
+:func:`load_model_by_name` (:mod:`.loading`) and the embedded default model. The backends
+are packages: :mod:`.vllm` (``AsyncVirtualLM``, with :mod:`.vllm.internals`, the seam to
+vLLM's private parts) and :mod:`.hf` (``AsyncTransformer``). They are imported on first
+use, so importing this package never imports vllm.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .base import AsyncLM
+from .engine import AdapterEngine, Engine, SamplingEngine, ThreadedEngine
 from .loading import load_model_by_name
 from .mock import MockAsyncLM
 
@@ -20,7 +22,17 @@ if TYPE_CHECKING:
     from .hf import AsyncTransformer
     from .vllm import AsyncVirtualLM
 
-__all__ = ["AsyncLM", "AsyncTransformer", "AsyncVirtualLM", "MockAsyncLM", "load_model_by_name"]
+__all__ = [
+    "AdapterEngine",
+    "AsyncLM",
+    "AsyncTransformer",
+    "AsyncVirtualLM",
+    "Engine",
+    "MockAsyncLM",
+    "SamplingEngine",
+    "ThreadedEngine",
+    "load_model_by_name",
+]
 
 _LAZY = {"AsyncVirtualLM": ".vllm", "AsyncTransformer": ".hf"}
 

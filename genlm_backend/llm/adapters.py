@@ -1,7 +1,7 @@
 """LoRA adapter bookkeeping shared by every backend: names, integer ids, the active adapter.
 
-:class:`~genlm_backend.llm.base.AsyncLM` mixes this in; a backend with adapters overrides
-``_load_lora`` / ``_unload_lora`` (by default adapters are refused).
+:class:`~genlm_backend.llm.base.AsyncLM` mixes this in; its engine loads and unloads the
+adapters where it has the capability (:class:`~.engine.AdapterEngine`), else they are refused.
 """
 
 from __future__ import annotations
@@ -15,20 +15,13 @@ __all__ = ["Adapters"]
 
 
 class Adapters:
-    """The adapter methods of the contract. Expects ``_check_open`` and ``clear_cache``
-    from the class it is mixed into."""
+    """The adapter methods of the contract. Expects ``engine``, ``_check_open`` and
+    ``clear_cache`` from the class it is mixed into."""
 
     def _init_adapters(self) -> None:
         self._lora_paths: dict[str, str] = {}
         self._lora_ids: dict[str, int] = {}
         self.active_lora: str | None = None
-
-    def _load_lora(self, lora_name: str, lora_path: str) -> None:
-        """Makes an adapter usable by name; backends without adapters refuse."""
-        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
-
-    def _unload_lora(self, lora_name: str) -> None:
-        """Releases an adapter loaded by :meth:`_load_lora`."""
 
     @staticmethod
     def hash_to_int(name: str) -> int:
@@ -68,7 +61,10 @@ class Adapters:
                     f"adapter names {lora_name!r} and {other!r} hash to the same id {lora_id}; "
                     "rename one of them"
                 )
-        self._load_lora(lora_name, lora_path)
+        load = getattr(self.engine, "load_adapter", None)
+        if load is None:
+            raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+        load(lora_name, lora_path, lora_id)
         self._lora_paths[lora_name] = lora_path
         self._lora_ids[lora_name] = lora_id
 
@@ -99,7 +95,7 @@ class Adapters:
         self._check_open()
         if lora_name not in self._lora_paths:
             raise InvalidRequestError(f"no LoRA adapter named {lora_name!r} is loaded")
-        self._unload_lora(lora_name)
+        self.engine.unload_adapter(lora_name)
         del self._lora_paths[lora_name]
         del self._lora_ids[lora_name]
         if self.active_lora == lora_name:

@@ -1,8 +1,8 @@
-"""`AsyncLM`: the contract every backend implements, and everything backends share.
+"""`AsyncLM`: the contract every backend offers, composed around an engine.
 
-A backend is a thin adapter: it says how big its output vocabulary is (``_vocab_size``)
-and how to evaluate one batch of log-probability requests (``_evaluate_logprobs``). This
-base class owns the rest: input validation, the batcher, the output cache, adapters (LoRA, from
+A backend builds an engine (:class:`~.engine.Engine`: a batch of log-probability requests in,
+rows out, plus optional adapters and sampling) and hands it to :class:`AsyncLM`, which owns
+the rest: input validation, the batcher, the output cache, adapter names (from
 :mod:`.adapters`), the sync twins, default sampling built on log-probabilities (from
 :mod:`.default_sampling`), and the lifecycle.
 """
@@ -10,20 +10,18 @@ base class owns the rest: input validation, the batcher, the output cache, adapt
 from __future__ import annotations
 
 import asyncio
-import functools
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..batching import INLINE, Batcher
 from ..cache import OutputCache
-from ..engine_thread import EngineThread
 from ..exceptions import ClosedError, InvalidRequestError
 from ..sync_calls import run_sync
 from .adapters import Adapters
 from .default_sampling import StepwiseSampling
+from .engine import Engine, stops_what_it_started
 from .prompts import LogprobsRequest, PromptChecker
 
 if TYPE_CHECKING:
@@ -31,23 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncLM", "LogprobsRequest", "stops_what_it_started"]
 
-def stops_what_it_started(init: Callable[..., None]) -> Callable[..., None]:
-    """Wraps a backend's ``__init__``: when it raises, what it started so far (the engine
-    thread, the batchers; :meth:`AsyncLM._stop_started`) is stopped before the error goes
-    on. A model or engine it was given is left as it is: it is the caller's."""
-
-    @functools.wraps(init)
-    def wrapped(self: AsyncLM, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            self._stop_started()
-            raise
-
-    return wrapped
-
-
-class AsyncLM(StepwiseSampling, Adapters, ABC):
+class AsyncLM(StepwiseSampling, Adapters):
     """A language model whose next-token log-probabilities are awaited and auto-batched.
 
     Concurrent awaits of :meth:`next_token_logprobs` become one engine call (see
@@ -57,6 +39,7 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
 
     Args:
         tokenizer: the Hugging Face tokenizer of the model.
+        engine: what evaluates the batches (:class:`~genlm_backend.llm.engine.Engine`).
         batch_size: the most distinct requests evaluated in one engine call.
         timeout: seconds after the first queued request before its batch runs at the latest.
         cache_size: number of log-probability rows kept in the output cache (0: no cache).
@@ -66,6 +49,7 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
 
     Attributes:
         tokenizer: the Hugging Face tokenizer.
+        engine: the engine.
         byte_vocab: list of :class:`~genlm_backend.tokenization.Token`, index = token id
             (decoded on first use).
         str_vocab: list of str, same indexing.
@@ -74,6 +58,7 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
     def __init__(
         self,
         tokenizer: Any,
+        engine: Engine,
         *,
         batch_size: int = 20,
         timeout: float = 0.02,
@@ -82,60 +67,38 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
         flush: str = "idle",
     ):
         self.tokenizer = tokenizer
+        self.engine = engine
         self._vocabs: tuple[list, list[str]] | None = None
         self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         self.num_cache_hits = 0
         self.batch_size = batch_size
         self.timeout = timeout
-        # One engine thread for every batcher of this model: engine calls never overlap.
-        self._engine_thread = EngineThread(f"genlm-{type(self).__name__}", self._engine_lock)
+        # The engine's evaluate is called on the loop: it says itself where its work runs.
         self._logprobs_batcher = Batcher(
-            self._evaluate_logprobs,
+            engine.evaluate,
             max_batch_size=batch_size,
             timeout=timeout,
             flush=flush,
-            executor=INLINE if self._evaluates_on_loop else self._engine_thread,
+            executor=INLINE,
             name=f"{type(self).__name__}.next_token_logprobs",
         )
         self._prompts: PromptChecker | None = None
         self._init_adapters()
         self.is_closed = False
 
-    # ---- what a backend provides ------------------------------------------------------
-
-    _vocab_size: int  # the model's output size V: set by the backend's ``__init__``
+    # ---- what the engine provides ------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
         """The model's output size V: the length of every log-probability row."""
         self._check_open()
-        return self._vocab_size
-
-    # True: ``_evaluate_logprobs`` is called on the event loop's thread and returns an
-    # ``asyncio.Future`` of the rows (it hands the work to the engine thread itself).
-    _evaluates_on_loop = False
-
-    # A lock the engine thread holds while it runs a task, shared by every model of a backend
-    # whose engines share process-wide state (their engine calls must not overlap).
-    _engine_lock: Any = None
-
-    @abstractmethod
-    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Sequence[Any]:
-        """Evaluates one batch of distinct requests on the engine thread.
-
-        Returns one fp32 log-probability row ``[V]`` per request, in order; an exception
-        instance in place of a row fails that request's callers only. (With
-        ``_evaluates_on_loop``, runs on the event loop and may return a future of that list.)
-        """
+        return self.engine.vocab_size
 
     @property
     def max_prompt_len(self) -> int | None:
         """The longest prompt the model accepts (tokens), or None for no known limit."""
         self._check_open()
-        return None
-
-    def _close(self) -> None:
-        """Releases the engine; called once by :meth:`cleanup`."""
+        return self.engine.max_prompt_len
 
     # ---- vocabularies -----------------------------------------------------------------
 
@@ -292,9 +255,8 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
         self.is_closed = True
         self._logprobs_batcher.close()
         try:
-            self._close()
+            self.engine.close()
         finally:
-            self._engine_thread.shutdown(wait=False, cancel_futures=True)
             if self._draw_thread is not None:
                 self._draw_thread.shutdown(wait=False)
             if self.cache is not None:
@@ -305,9 +267,9 @@ class AsyncLM(StepwiseSampling, Adapters, ABC):
         batcher = getattr(self, "_logprobs_batcher", None)
         if batcher is not None:
             batcher.close()
-        thread = getattr(self, "_engine_thread", None)
-        if thread is not None:
-            thread.shutdown(wait=True, cancel_futures=True)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     def _check_open(self) -> None:
         if self.is_closed:

@@ -1,8 +1,8 @@
 """Sampling shared by every backend: a continuation drawn one awaited log-probability row at
 a time, each draw on a thread of the model's own.
 
-:class:`~genlm_backend.llm.base.AsyncLM` mixes this in; a backend with a sampler of its own
-(vLLM's) overrides ``sample`` and ``batch_sample``.
+:class:`~genlm_backend.llm.base.AsyncLM` mixes this in; where its engine has a sampler of its
+own (:class:`~.engine.SamplingEngine`, vLLM's), the checked request goes to that instead.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..engine_thread import EngineThread
+from ..exceptions import InvalidRequestError
 from .validation import check_eos_token_ids, check_max_tokens, check_seed, check_temperature
 
 __all__ = ["StepwiseSampling"]
@@ -24,8 +25,9 @@ _DRAW_THREAD_LOCK = threading.Lock()
 
 
 class StepwiseSampling:
-    """The sampling methods of the contract. Expects ``next_token_logprobs``, ``_request``,
-    ``_requests``, ``_check_open`` and ``vocab_size`` from the class it is mixed into."""
+    """The sampling methods of the contract. Expects ``engine``, ``next_token_logprobs``,
+    ``_request``, ``_requests``, ``_check_open`` and ``vocab_size`` from the class it is
+    mixed into."""
 
     async def sample(
         self,
@@ -41,7 +43,8 @@ class StepwiseSampling:
         and draws from ``softmax(logprobs / temperature)`` with a CPU generator seeded by
         ``seed``, on a thread of the model's own (off the event loop); temperature 0 is
         greedy. Stops after ``max_tokens`` tokens or at the first token whose id is in
-        ``eos_token_ids``, which is not returned.
+        ``eos_token_ids``, which is not returned. Where the engine has a sampler of its own
+        (:class:`~genlm_backend.llm.engine.SamplingEngine`), that samples instead.
 
         Args:
             prompt_token_ids: the prompt, in any form :meth:`next_token_logprobs` takes.
@@ -55,16 +58,32 @@ class StepwiseSampling:
             InvalidRequestError, InvalidRequestTypeError: a bad argument, before anything is
                 queued (only this caller gets it).
         """
-        prompt = self._request(prompt_token_ids, None).token_ids
+        return await self._sample(
+            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, None, {}
+        )
+
+    async def _sample(
+        self, prompt_token_ids: Any, max_tokens: int, eos_token_ids: Any, temperature: float,
+        seed: int | None, lora_name: str | None, options: dict[str, Any],
+    ) -> Any:
+        request = self._request(prompt_token_ids, lora_name)
         eos = self._eos_set(eos_token_ids)
-        check_max_tokens(max_tokens)
-        check_temperature(temperature)
+        max_tokens = check_max_tokens(max_tokens)
+        temperature = check_temperature(temperature)
         seed = check_seed(seed)
+        native = getattr(self.engine, "sample", None)
+        if native is not None:
+            return await native(request, max_tokens, eos, temperature, seed, options)
+        if options:
+            raise InvalidRequestError(
+                f"{type(self).__name__} takes no sampling options, got {sorted(options)}"
+            )
+        prompt, lora_name = request.token_ids, request.lora_name
         seed = seed if seed is not None else int.from_bytes(os.urandom(8), "big") >> 1
         generator = torch.Generator().manual_seed(seed)
         context, sampled = list(prompt), []
         for _ in range(max_tokens):
-            logprobs = await self.next_token_logprobs(context)
+            logprobs = await self.next_token_logprobs(context, lora_name)
             token = await self._draw(logprobs, temperature, generator)
             if token in eos:
                 break
@@ -86,14 +105,22 @@ class StepwiseSampling:
         reproducible and identical prompts still get independent samples; every such seed
         must be in ``[0, 2**63 - 1]``. Every argument is checked before any prompt is queued.
         """
-        prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, None)]
+        return await self._batch_sample(
+            prompt_token_ids_list, max_tokens, eos_token_ids, temperature, seed, None, {}
+        )
+
+    async def _batch_sample(
+        self, prompt_token_ids_list: Iterable[Any], max_tokens: int, eos_token_ids: Any,
+        temperature: float, seed: int | None, lora_name: str | None, options: dict[str, Any],
+    ) -> list[Any]:
+        prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, lora_name)]
         self._eos_set(eos_token_ids)
         check_max_tokens(max_tokens)
         check_temperature(temperature)
         seed = check_seed(seed, len(prompts))
         seeds = [None if seed is None else seed + i for i in range(len(prompts))]
         samples = (
-            self.sample(p, max_tokens, eos_token_ids, temperature, s)
+            self._sample(p, max_tokens, eos_token_ids, temperature, s, lora_name, options)
             for p, s in zip(prompts, seeds)
         )
         return list(await asyncio.gather(*samples))

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from .base import AsyncLM, LogprobsRequest
+from .engine import EngineAttribute, ThreadedEngine
 
-__all__ = ["MockAsyncLM"]
+__all__ = ["MockAsyncLM", "MockEngine"]
 
 
 class MockAsyncLM(AsyncLM):
@@ -29,10 +30,11 @@ class MockAsyncLM(AsyncLM):
             :class:`~genlm_backend.llm.base.AsyncLM`.
     """
 
+    engine: MockEngine
+
     def __init__(self, tokenizer: Any, vocab_size: int | None = None, **kwargs: Any):
-        super().__init__(tokenizer, **kwargs)
-        self._vocab_size = int(vocab_size) if vocab_size is not None else len(tokenizer)
-        self.num_evaluated = 0
+        size = int(vocab_size) if vocab_size is not None else len(tokenizer)
+        super().__init__(tokenizer, MockEngine(size), **kwargs)
 
     @classmethod
     def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
@@ -41,22 +43,36 @@ class MockAsyncLM(AsyncLM):
 
         return cls(AutoTokenizer.from_pretrained(model_name), **kwargs)
 
-    def _load_lora(self, lora_name: str, lora_path: str) -> None:
-        """Adapters only change the seed of the rows: enough to test adapter routing."""
-
-    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Sequence[torch.Tensor]:
-        self.num_evaluated += len(requests)
-        return [self._row(r.token_ids, r.lora_name) for r in requests]
+    num_evaluated = EngineAttribute()  # how many distinct requests the engine evaluated
 
     def logprobs_of(self, token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
         """The row this mock returns for ``token_ids``, computed directly (no batching)."""
         self._check_open()
-        return self._row(token_ids, lora_name)
+        return self.engine.row(token_ids, lora_name)
 
-    def _row(self, token_ids: Sequence[int], lora_name: str | None) -> torch.Tensor:
+
+class MockEngine(ThreadedEngine):
+    """The engine of :class:`MockAsyncLM`: rows seeded by the prompt, on a thread of its own."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__("genlm-MockAsyncLM")
+        self.vocab_size = vocab_size
+        self.num_evaluated = 0
+
+    def evaluate_batch(self, requests: list[LogprobsRequest]) -> Sequence[torch.Tensor]:
+        self.num_evaluated += len(requests)
+        return [self.row(r.token_ids, r.lora_name) for r in requests]
+
+    def load_adapter(self, name: str, path: str, adapter_id: int) -> None:
+        """Adapters only change the seed of the rows: enough to test adapter routing."""
+
+    def unload_adapter(self, name: str) -> None:
+        pass
+
+    def row(self, token_ids: Sequence[int], lora_name: str | None) -> torch.Tensor:
         digest = hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8)
         if lora_name is not None:
             digest.update(lora_name.encode("utf-8"))
         generator = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "big") >> 1)
-        logits = torch.randn(self._vocab_size, generator=generator)
+        logits = torch.randn(self.vocab_size, generator=generator)
         return torch.log_softmax(logits, dim=-1)

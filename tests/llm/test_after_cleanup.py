@@ -86,14 +86,8 @@ async def test_transformers():
 
 @pytest.mark.vllm
 async def test_vllm(vllm_lm):
-    from genlm_backend.llm.vllm import AsyncVirtualLM
+    from vllm_fixtures import front_on_shared_engine
 
-    class OnSharedEngine(AsyncVirtualLM):
-        """A second front on the shared engine; its cleanup leaves the engine running."""
-
-        def _shutdown(self):
-            self._sessions.close_all()
-
-    names = await check_every_member_raises(OnSharedEngine(vllm_lm.llm))
+    names = await check_every_member_raises(front_on_shared_engine(vllm_lm.llm))
     assert {"underlying_model", "set_sessions", "warm_up", "close_sessions"} <= set(names)
     assert (await vllm_lm.next_token_logprobs([5, 6])).shape == (32000,)  # the engine still works

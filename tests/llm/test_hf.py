@@ -272,7 +272,7 @@ async def test_memory_bound_evicts_least_recently_used(hf_model):
         assert_close(row, reference_logprobs(hf_model, prompts[6] + [2]))
         assert lm.stats()["kv_cache_bytes"] <= bound
         # Nodes go with their blocks: what is left is at most the paths of the kept blocks.
-        assert trie_nodes(lm._kv) <= lm.stats()["kv_cache_blocks"] * (prompt_len + 2)
+        assert trie_nodes(lm.engine.kv) <= lm.stats()["kv_cache_blocks"] * (prompt_len + 2)
 
 
 async def test_zero_bound_keeps_nothing_but_stays_exact(hf_model):

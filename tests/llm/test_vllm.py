@@ -132,7 +132,7 @@ def test_lora_ids_are_hashed_and_collisions_refused(vlm, tiny_model_dirs, monkey
     assert vlm.hash_to_int("lora_1") == type(vlm).hash_to_int("lora_1")
     assert 1 <= vlm.hash_to_int("x") <= 2**31 - 1
     vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "one")
-    assert vlm._lora_requests["one"].lora_int_id == vlm.hash_to_int("one")
+    assert vlm.engine.lora.loaded["one"].lora_int_id == vlm.hash_to_int("one")
     monkeypatch.setattr(type(vlm), "hash_to_int", staticmethod(lambda name: vlm._lora_ids["one"]))
     with pytest.raises(ValueError, match="hash to the same id"):
         vlm.add_new_lora(str(tiny_model_dirs["adapter"]), "two")
@@ -252,7 +252,7 @@ async def test_out_of_memory_splits_the_batch(vlm, hf_reference, monkeypatch):
         if len(jobs) > 2 or any(j.prompt == doomed for j in jobs):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    before_each_attempt(monkeypatch, vlm._runner, inject)
+    before_each_attempt(monkeypatch, vlm.engine._runner, inject)
     splits = vlm.stats()["engine"]["num_oom_splits"]
     results = await asyncio.gather(
         *(vlm.next_token_logprobs(p) for p in prompts), return_exceptions=True
@@ -268,7 +268,7 @@ async def test_out_of_memory_splits_the_batch(vlm, hf_reference, monkeypatch):
 async def test_an_engine_error_fails_its_batch_and_the_model_keeps_working(vlm, monkeypatch):
     prompts = prompts_of([4, 5], seed=17)
     with monkeypatch.context() as patch:
-        before_each_attempt(patch, vlm._runner, engine_broke)
+        before_each_attempt(patch, vlm.engine._runner, engine_broke)
         results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts),
                                        return_exceptions=True)
     assert all(isinstance(r, EngineError) for r in results)
@@ -320,7 +320,7 @@ def test_warm_up_primes_the_prefix_cache(vlm):
     vlm.warm_up(prefix)
     cached = vlm.stats()["engine"]["num_cached_prompt_tokens"]
     vlm.next_token_logprobs_sync(prefix + [17, 18])
-    vlm._engine_thread.submit(lambda: None).result()  # ends the held step: its counters land
+    vlm.engine.thread.submit(lambda: None).result()  # ends the held step: its counters land
     stats = vlm.stats()
     assert stats["engine"]["num_cached_prompt_tokens"] - cached >= 2 * block_size
     for key in ("num_batches", "mean_batch_size", "queue_wait_s", "num_deduplicated", "cache_hits"):

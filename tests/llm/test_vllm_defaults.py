@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_fixtures import ON_GPU, assert_matches, prompts_of
+from vllm_fixtures import ON_GPU, assert_matches, front_on_shared_engine, prompts_of
 
 pytestmark = [
     pytest.mark.vllm,
@@ -268,21 +268,15 @@ def test_engine_environment_is_set_for_the_build_and_the_callers_comes_back(monk
 async def test_batch_size_bounds_every_log_probability_batch(vllm_lm, hf_reference):
     """``batch_size`` below ``max_num_seqs`` (8 here): batches of at most ``batch_size``
     distinct prompts, also while sessions continue contexts from one batch to the next."""
-    from genlm_backend.llm.vllm import AsyncVirtualLM
-
     sizes: list[int] = []
+    lm = front_on_shared_engine(vllm_lm.llm, batch_size=3)
+    evaluate = lm.engine.evaluate
 
-    class Recording(AsyncVirtualLM):
-        def _evaluate_logprobs(self, requests):
-            sizes.append(len(requests))
-            return super()._evaluate_logprobs(requests)
+    def recording(requests):
+        sizes.append(len(requests))
+        return evaluate(requests)
 
-        def _close(self):  # the engine is the shared one: leave it running
-            self._engine_thread.submit(self._sessions.close_all).result()
-            self._sample_batcher.close()
-            self._sink.close()
-
-    lm = Recording(vllm_lm.llm, batch_size=3)
+    lm._logprobs_batcher.evaluate = recording
     try:
         contexts = prompts_of([4, 9, 2, 30, 7, 12, 5, 3, 16, 8], seed=11)
         for step in range(3):  # each step extends every context by one token

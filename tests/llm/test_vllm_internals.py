@@ -521,7 +521,7 @@ def test_parked_sessions_wait_where_the_bypass_takes_them_from(vlm):
     assert installed_on(scheduler)["parked_bypass"] is True
     vlm.close_sessions()
     asyncio.run(vlm.next_token_logprobs([3, 5, 7, 11]))
-    vlm._engine_thread.submit(lambda: None).result()  # other engine work: the session parks
+    vlm.engine.thread.submit(lambda: None).result()  # other engine work: the session parks
     queues = {
         n: getattr(scheduler, n)
         for n in ("skipped_waiting", "kv_holding_waiting", "waiting")
@@ -587,10 +587,11 @@ def test_the_sampler_and_runner_calls_forced_sampling_wraps_are_where_it_expects
     assert "self._to_list(sampled_token_ids)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
     engine = vlm.llm.llm_engine
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    assert vlm._forcing is not None and installed_on(runner)["forced_sampling"] is vlm._forcing
+    forcing = vlm.engine._forcing
+    assert forcing is not None and installed_on(runner)["forced_sampling"] is forcing
     from genlm_backend.llm.vllm import internals
 
-    assert internals.install_forced_sampling(engine, object()) is vlm._forcing  # once per runner
+    assert internals.install_forced_sampling(engine, object()) is forcing  # once per runner
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -699,7 +700,7 @@ def test_a_streaming_session_appends_chunks_to_its_parked_request(
     assert "resumable" in inspect.signature(InputProcessor.process_inputs).parameters
     engine = vlm.llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    sink = vlm._sink
+    sink = vlm.engine._sink
     context, request_id, previous = [], f"genlm-test-session-{reuse_previous}", None
     for chunk in ([5, 17, 300, 42, 9], [77], [78, 79]):
         context = context + chunk
@@ -737,11 +738,11 @@ def test_held_sessions_rely_on_the_runner_mask_and_park_with_their_kv(vlm, hf_re
 
     engine = vlm.llm.llm_engine
     assert internals.discard_mask_reader(engine) is not None
-    assert vlm._holds
+    assert vlm.engine._holds
     scheduler = engine.engine_core.engine_core.scheduler
     context = [5, 17, 300, 42, 9, 11]
     vlm.next_token_logprobs_sync(context)
-    requests = vlm._engine_thread.submit(lambda: dict(scheduler.requests)).result()  # ends the hold
+    requests = vlm.engine.thread.submit(lambda: dict(scheduler.requests)).result()  # ends the hold
     assert len(requests) == 1
     request = next(iter(requests.values()))
     assert request.status == RequestStatus.WAITING_FOR_STREAMING_REQ

@@ -6,7 +6,7 @@ import asyncio
 import importlib.util
 
 import pytest
-from vllm_fixtures import GPU_ENGINE_OPTS, assert_matches
+from vllm_fixtures import GPU_ENGINE_OPTS, assert_matches, front_on_shared_engine
 
 pytestmark = [
     pytest.mark.vllm,
@@ -40,17 +40,9 @@ async def test_cleanup_of_one_engine_leaves_another_working(vllm_lm, tiny_model_
 
 
 def test_sync_context_manager_cleans_up(vllm_lm):
-    from genlm_backend.llm.vllm import AsyncVirtualLM
-
     # A wrapper around a live engine, closed by the context manager; its engine is not
     # shut down here because it is the shared one: only test the wrapper's own state.
-    class NoShutdown(AsyncVirtualLM):
-        def _close(self):
-            self._engine_thread.submit(self._sessions.close_all).result()
-            self._sample_batcher.close()
-            self._sink.close()
-
-    with NoShutdown(vllm_lm.llm) as lm:
+    with front_on_shared_engine(vllm_lm.llm) as lm:
         assert lm.next_token_logprobs_sync([3, 4]).shape == (32000,)
     assert lm.is_closed
     with pytest.raises(RuntimeError):
@@ -222,7 +214,7 @@ async def test_cleanup_during_a_lockstep_step_returns_at_once_and_shuts_the_engi
         engine_opts={"dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "seed": 0,
                      **GPU_ENGINE_OPTS},
     )
-    engine_thread = lm._engine_thread._thread
+    engine_thread = lm.engine.thread._thread
     core = lm.llm.llm_engine.engine_core
     shutdowns, shutdown = [], core.shutdown
 

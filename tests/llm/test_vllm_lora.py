@@ -128,7 +128,7 @@ async def test_removing_an_adapter_fails_only_its_queued_requests(
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert lora_vlm.stats()["num_batches"] == batches_before + 1
     assert_removal_outcome(REMOVAL_MIX, results, lora_reference, may_succeed=False)
-    assert {s.lora_name for s in lora_vlm._sessions._sessions.values()} <= {None, "b"}
+    assert {s.lora_name for s in lora_vlm.engine._sessions._sessions.values()} <= {None, "b"}
     assert lora_vlm.hash_to_int("a") not in lora_vlm.llm.llm_engine.list_loras()
 
 
@@ -141,7 +141,7 @@ async def test_removing_an_adapter_while_its_batch_waits_for_the_engine(
     others are exact either way, and the adapter is gone from the engine afterwards."""
     lora_vlm.set_sessions(sessions)
     started, go = threading.Event(), threading.Event()
-    blocker = lora_vlm._engine_thread.submit(lambda: (started.set(), go.wait(60)))
+    blocker = lora_vlm.engine.thread.submit(lambda: (started.set(), go.wait(60)))
     assert started.wait(60)
     try:
         batches_before = lora_vlm.stats()["num_batches"]
@@ -153,7 +153,7 @@ async def test_removing_an_adapter_while_its_batch_waits_for_the_engine(
             await asyncio.sleep(0.001)
         removal = threading.Thread(target=lora_vlm.remove_lora, args=("a",))
         removal.start()
-        while len(lora_vlm._engine_thread._queue) < 2:  # the removal waits behind the batch
+        while len(lora_vlm.engine.thread._queue) < 2:  # the removal waits behind the batch
             removal.join(0.001)
     finally:
         go.set()
@@ -170,7 +170,7 @@ async def test_a_sample_queued_behind_the_removal_of_its_adapter_fails(lora_vlm)
     engine must not load it again from its folder for that job (a later adapter of the same
     name would then run the old weights under the same id)."""
     started, go = threading.Event(), threading.Event()
-    blocker = lora_vlm._engine_thread.submit(lambda: (started.set(), go.wait(60)))
+    blocker = lora_vlm.engine.thread.submit(lambda: (started.set(), go.wait(60)))
     assert started.wait(60)
     try:
         sample = asyncio.ensure_future(lora_vlm.sample(P, 3, [], seed=0, lora_name="a"))
@@ -179,7 +179,7 @@ async def test_a_sample_queued_behind_the_removal_of_its_adapter_fails(lora_vlm)
         await asyncio.sleep(0)
         removal = threading.Thread(target=lora_vlm.remove_lora, args=("a",))
         removal.start()
-        while not lora_vlm._engine_thread._queue:  # the removal waits for the engine thread first
+        while not lora_vlm.engine.thread._queue:  # the removal waits for the engine thread first
             removal.join(0.001)
     finally:
         go.set()

@@ -51,7 +51,7 @@ def sessions(vlm):
 
 def park_sessions(vlm):
     """Any other engine work ends a hold: the held sessions park."""
-    vlm._engine_thread.submit(lambda: None).result()
+    vlm.engine.thread.submit(lambda: None).result()
 
 
 async def test_rows_through_sessions_equal_a_forward_pass(vlm, hf_reference):
@@ -235,7 +235,7 @@ async def test_new_sessions_are_built_on_an_earlier_sessions_request(
         assert_matches(row, hf_reference("base", context))
     assert sessions(vlm)["num_opened"] - opened >= 4  # the parent's and three forks
     assert len(processed) <= 1  # this engine's first session, if no test opened one before
-    live = [s.request_id for s in vlm._sessions._sessions.values()]
+    live = [s.request_id for s in vlm.engine._sessions._sessions.values()]
     assert len(live) == len(set(live))
 
 
@@ -249,7 +249,7 @@ async def test_sessions_are_bounded_and_evicted_least_recently_used_first(vlm, h
     vlm.set_sessions(True)
     # Sessions not extended for `idle_batches` batches are closed.
     chain = prompts_of([4], seed=33)[0]
-    for i in range(vlm._sessions.idle_batches + 1):
+    for i in range(vlm.engine._sessions.idle_batches + 1):
         await vlm.next_token_logprobs(chain)
         chain = chain + [i + 3]
     assert sessions(vlm)["num_live"] == 1
@@ -262,7 +262,7 @@ async def test_as_many_particles_as_engine_slots_all_continue_held_sessions(vlm,
     # them (with a slot kept spare, one particle a step ran as a new plain request).
     contexts = prompts_of([5, 6, 7, 8, 9, 10, 11, 12], seed=44)
     before = sessions(vlm)
-    vlm._sessions.warned_crowded = False
+    vlm.engine._sessions.warned_crowded = False
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # as many contexts as sessions: no warning
         final, rows = await lockstep(vlm, contexts, 4)
@@ -276,7 +276,7 @@ async def test_as_many_particles_as_engine_slots_all_continue_held_sessions(vlm,
 async def test_moving_every_particle_to_new_contexts_warns_nothing(vlm, hf_reference):
     # 8 particles on 8 slots move to 8 fresh unrelated contexts, then resample (forks): at
     # no time are more than 8 contexts extended at once, so no crowding warning.
-    vlm._sessions.warned_crowded = False
+    vlm.engine._sessions.warned_crowded = False
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         await lockstep(vlm, prompts_of([5] * 8, seed=47), 2)
@@ -305,7 +305,7 @@ async def test_more_particles_than_engine_slots_still_make_progress(vlm, hf_refe
     # 12 particles, 8 session slots: the rest run as plain requests; nothing waits forever,
     # and the caller is told, once, to give the engine more slots.
     contexts = prompts_of([6] * 12, seed=34)
-    vlm._sessions.warned_crowded = False
+    vlm.engine._sessions.warned_crowded = False
     with pytest.warns(RuntimeWarning, match="max_num_seqs") as warned:
         final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 3), timeout=120)
     assert len([w for w in warned if "max_num_seqs" in str(w.message)]) == 1
@@ -323,7 +323,7 @@ async def test_a_failed_batch_closes_its_sessions_and_the_next_one_reopens(
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     nxt = [c + [9] for c in contexts]
     with monkeypatch.context() as patch:
-        before_each_attempt(patch, vlm._runner, engine_broke)
+        before_each_attempt(patch, vlm.engine._runner, engine_broke)
         results = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt),
                                        return_exceptions=True)
     assert all(isinstance(r, EngineError) for r in results)
@@ -339,7 +339,7 @@ async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypa
     contexts = prompts_of([5, 6, 7], seed=36)
     await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
     park_sessions(vlm)  # extending a parked session adds a chunk, which vLLM may refuse
-    doomed = vlm._sessions._by_key[LogprobsRequest(tuple(contexts[1]), None)].request_id
+    doomed = vlm.engine._sessions._by_key[LogprobsRequest(tuple(contexts[1]), None)].request_id
     original = internals.add_session_chunk
 
     def refuse(engine, request_id, *args):
@@ -357,7 +357,7 @@ async def test_a_refused_chunk_fails_only_its_caller(vlm, hf_reference, monkeypa
         assert_matches(results[i], hf_reference("base", nxt[i]))
     monkeypatch.undo()
     park_sessions(vlm)  # the batch ends (and settles) once its held step is released
-    assert doomed not in {s.request_id for s in vlm._sessions._sessions.values()}
+    assert doomed not in {s.request_id for s in vlm.engine._sessions._sessions.values()}
     assert_matches(await vlm.next_token_logprobs(nxt[1]), hf_reference("base", nxt[1]))
 
 
@@ -390,7 +390,7 @@ async def test_sessions_are_kept_apart_per_adapter(vlm, hf_reference, tiny_model
         context = context + [int(base.argmax())]
     assert sessions(vlm)["num_live"] == 2
     vlm.remove_lora("ad")  # closes the adapter's sessions
-    assert {s.lora_name for s in vlm._sessions._sessions.values()} == {None}
+    assert {s.lora_name for s in vlm.engine._sessions._sessions.values()} == {None}
 
 
 def test_close_sessions_lets_the_engine_be_driven_directly(vlm):
@@ -424,19 +424,20 @@ async def test_a_stalled_engine_frees_its_parked_sessions(vlm, hf_reference):
     engine = vlm.llm.llm_engine
 
     def park_foreign():
-        params = SamplingParams(max_tokens=1, extra_args=vlm._sink.extra_args(vlm._sink.new_tag()))
+        sink = vlm.engine._sink
+        params = SamplingParams(max_tokens=1, extra_args=sink.extra_args(sink.new_tag()))
         internals.add_session_chunk(engine, "foreign-session", [5, 6, 7], params, None)
         while not any(internals.output_done(o) for o in engine.step()):
             pass
 
-    vlm._engine_thread.submit(park_foreign).result()
+    vlm.engine.thread.submit(park_foreign).result()
     try:
         contexts = prompts_of([6] * 12, seed=41)
         final, rows = await asyncio.wait_for(lockstep(vlm, contexts, 2), timeout=120)
         for context, row in zip(final, rows):
             assert_matches(row, hf_reference("base", context))
     finally:
-        vlm._engine_thread.submit(internals.abort_requests, engine, ["foreign-session"]).result()
+        vlm.engine.thread.submit(internals.abort_requests, engine, ["foreign-session"]).result()
 
 
 async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_reference):
@@ -445,7 +446,7 @@ async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_re
         contexts = prompts_of([5, 8], seed=44)
         await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
         await asyncio.sleep(1.0)  # no next batch, no other engine work: the wait times out
-        assert {s.status for s in vlm._sessions._sessions.values()} == {SessionStatus.PARKED}
+        assert {s.status for s in vlm.engine._sessions._sessions.values()} == {SessionStatus.PARKED}
         nxt = [c + [19] for c in contexts]
         rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))
         for context, row in zip(nxt, rows):
@@ -494,14 +495,15 @@ async def test_a_continued_session_whose_row_never_comes_fails_only_its_caller(v
     # EngineError instead of leaving it hanging; the other continuations get their rows.
     contexts = prompts_of([5, 8], seed=46)
     final, _ = await lockstep(vlm, contexts, 2)
-    pool = vlm._sessions
+    pool = vlm.engine._sessions
     original_plan, victims = pool.plan, []
 
     def plan_then_abort(requests, batch):
         plan = original_plan(requests, batch)
         victim = plan[0]
         victims.append(victim)
-        vlm._runner.abort([victim.request_id])  # gone from the engine; the pool still counts on it
+        # gone from the engine; the pool still counts on it
+        vlm.engine._runner.abort([victim.request_id])
         return plan
 
     pool.plan = plan_then_abort

@@ -48,12 +48,12 @@ async def run(vlm, hf_reference, contexts, num_steps, change=None):
 
 def lengths_at_a_block_edge(vlm, num):
     """Prompt lengths that reach and cross a KV block's end within a few steps."""
-    block_size = vlm._steady.block_size
+    block_size = vlm.engine._steady.block_size
     return [block_size - 3 + i for i in range(num)]
 
 
 async def test_lockstep_steps_after_the_first_three_are_steady_and_exact(vlm, hf_reference):
-    assert vlm._steady is not None, "the steady path is off: what it relies on moved in vLLM"
+    assert vlm.engine._steady is not None, "the steady path is off: what it relies on moved in vLLM"
     contexts = prompts_of(lengths_at_a_block_edge(vlm, 5), seed=41)
     before = counts(vlm)
     await run(vlm, hf_reference, contexts, 8)

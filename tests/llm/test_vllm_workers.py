@@ -43,7 +43,8 @@ def test_the_model_runner_is_in_another_process(worker_lm):
 
     engine = worker_lm.llm.llm_engine
     assert internals.discard_mask_reader(engine) is None  # no runner here
-    assert worker_lm._remote is not None and worker_lm._remote.early and worker_lm._holds
+    inside = worker_lm.engine
+    assert inside._remote is not None and inside._remote.early and inside._holds
 
 
 def test_underlying_model_says_the_model_is_in_a_worker_process(worker_lm):
@@ -226,8 +227,8 @@ def test_tensor_parallel_rows_equal_a_forward_pass(tiny_model_dirs, hf_reference
 def test_rows_come_through_the_workers_ring(worker_lm):
     from genlm_backend.llm.row_ring import READ_LAG
 
-    ring = worker_lm._remote.ring
-    assert ring is not None and worker_lm._remote.final_rows
+    ring = worker_lm.engine._remote.ring
+    assert ring is not None and worker_lm.engine._remote.final_rows
     # Rows are read before their step samples: no step runs while they wait (depth 0, lag 0).
     assert ring.shape == (2 * 8, worker_lm.vocab_size) and ring.lag == 0
     assert READ_LAG > 0
@@ -267,7 +268,7 @@ async def test_rows_travel_in_the_reply_where_there_is_no_ring(
     lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]),
                                   engine_opts={**ENGINE_OPTS, "distributed_executor_backend": "mp"})
     try:
-        assert lm._remote.ring is None and lm._holds
+        assert lm.engine._remote.ring is None and lm.engine._holds
         sessions = await _lockstep_rows_match(lm, hf_reference, seed=77)
         assert sessions["num_continued"] == 16
     finally:
@@ -288,7 +289,8 @@ async def test_with_a_batch_queue_rows_come_with_the_step_output(
     lm = AsyncVirtualLM.from_name(str(tiny_model_dirs["base"]), engine_opts={
         **ENGINE_OPTS, "distributed_executor_backend": "mp"})
     try:
-        assert lm._remote is not None and not lm._remote.early and not lm._holds
+        inside = lm.engine
+        assert inside._remote is not None and not inside._remote.early and not inside._holds
         sessions = await _lockstep_rows_match(lm, hf_reference, seed=78)
         assert sessions["num_extended"] == 16 and sessions["num_continued"] == 0
     finally:

@@ -87,6 +87,22 @@ def before_each_attempt(monkeypatch, runner, hook) -> None:
     monkeypatch.setattr(runner, "_run_once", patched)
 
 
+def front_on_shared_engine(llm, **kwargs):
+    """A second ``AsyncVirtualLM`` on the shared engine ``llm``: its cleanup closes its own
+    sessions and capture sink but leaves the engine running."""
+    from genlm_backend.llm.vllm import AsyncVirtualLM
+
+    lm = AsyncVirtualLM(llm, **kwargs)
+    engine = lm.engine
+
+    def leave_running() -> None:
+        engine._sessions.close_all()
+        engine._sink.close()
+
+    engine._shutdown = leave_running  # the engine thread's last task
+    return lm
+
+
 def engine_broke(jobs) -> None:
     """A hook for :func:`before_each_attempt`: every attempt fails as a broken engine would."""
     raise RuntimeError("engine broke")
@@ -199,7 +215,7 @@ def vlm(vllm_lm):
     # a row delivered early must not leave its engine request generating.
     scheduler = vllm_lm.llm.llm_engine.engine_core.engine_core.scheduler
     if not vllm_lm.is_closed:
-        running, _ = vllm_lm._engine_thread.submit(scheduler.get_request_counts).result(timeout=120)
+        running, _ = vllm_lm.engine.thread.submit(scheduler.get_request_counts).result(timeout=120)
         assert running == 0, f"{running} engine requests still running after the test"
     vllm_lm.clear_lora()
     for name in list(vllm_lm._lora_paths):

@@ -1,5 +1,5 @@
-"""LoRA adapters of :class:`~genlm_backend.llm.hf.AsyncTransformer`, through peft: loading,
-removing, and running a request with its adapter active."""
+"""LoRA adapters of the transformers engine (:mod:`.transformer_engine`), through peft:
+loading, removing, and running a request with its adapter active."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ from collections.abc import Iterator
 
 from ...exceptions import InvalidRequestError
 
-__all__ = ["AdapterMixin"]
+__all__ = ["PeftAdapters"]
 
 
-class AdapterMixin:
-    """The adapter handling of ``AsyncTransformer`` (``self.model`` becomes a peft model
-    once an adapter is loaded; ``self._lock`` guards it)."""
+class PeftAdapters:
+    """The adapter capability of ``TransformerEngine`` (``self.model`` becomes a peft model
+    once an adapter is loaded; ``self.lock`` guards it)."""
 
-    def _load_lora(self, lora_name: str, lora_path: str) -> None:
+    def load_adapter(self, lora_name: str, lora_path: str, adapter_id: int) -> None:
         try:
             from peft import PeftModel
         except ImportError as exc:  # pragma: no cover - peft is a dev dependency
             raise ImportError("LoRA adapters need peft: pip install 'genlm-backend[lora]'") from exc
-        with self._lock:
+        with self.lock:
             try:
                 if self._has_adapters:
                     self.model.load_adapter(lora_path, adapter_name=lora_name)
@@ -36,10 +36,10 @@ class AdapterMixin:
             self.model.eval()
             self._has_adapters = True
 
-    def _unload_lora(self, lora_name: str) -> None:
-        with self._lock:
-            self._kv.clear_adapter(lora_name)
-            if len(self._lora_paths) <= 1:  # the last one: back to the plain model
+    def unload_adapter(self, lora_name: str) -> None:
+        with self.lock:
+            self.kv.clear_adapter(lora_name)
+            if len(self.model.peft_config) <= 1:  # the last one: back to the plain model
                 self.model = self.model.unload()
                 self._has_adapters = False
             else:
@@ -49,7 +49,7 @@ class AdapterMixin:
 
     def _removed_adapter(self, lora_name: str | None) -> InvalidRequestError | None:
         """The error of a request for adapter ``lora_name`` that the model no longer has
-        (removed after the request was checked), or None. Call under ``_lock``."""
+        (removed after the request was checked), or None. Call under ``lock``."""
         if lora_name is None or (self._has_adapters and lora_name in self.model.peft_config):
             return None
         return InvalidRequestError(
@@ -57,7 +57,7 @@ class AdapterMixin:
         )
 
     @contextlib.contextmanager
-    def _adapter(self, lora_name: str | None) -> Iterator[None]:
+    def adapter(self, lora_name: str | None) -> Iterator[None]:
         """Runs the body with adapter ``lora_name`` active (None: the base model).
 
         Raises:

@@ -1,29 +1,24 @@
 """`AsyncTransformer`: the Hugging Face transformers backend, with key/value reuse across prompts.
 
 Requests are auto-batched by the shared batcher of :class:`~genlm_backend.llm.base.AsyncLM`.
-Each batch is evaluated on the model's engine thread: every prompt resumes from the longest
-prefix whose key/value states are cached in a token trie (:mod:`genlm_backend.llm.hf.kvtrie`),
-the remaining tokens of all prompts run in as few padded forward passes as possible
-(:mod:`genlm_backend.llm.hf.forward`), and the new states go back into the trie. Memory
-for those states is bounded (see ``max_kv_cache_bytes``), with least-recently-used eviction.
+Each batch is evaluated by the engine (:mod:`.transformer_engine`) on its thread: every
+prompt resumes from the longest prefix whose key/value states are cached in a token trie
+(:mod:`.kvtrie`), the remaining tokens of all prompts run in as few padded forward passes as
+possible (:mod:`.forward`), and the new states go back into the trie. Memory for those
+states is bounded (see ``max_kv_cache_bytes``), with least-recently-used eviction.
 """
 
 from __future__ import annotations
 
-import threading
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ...exceptions import EngineError, InvalidRequestError
 from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
-from .forward import Step, make_step, plan_chunks, run_chunk, shared_prefixes
-from .kv_cache import accepts_logits_to_keep
-from .kvtrie import KVTrie
-from .peft_adapters import AdapterMixin
+from ..engine import EngineAttribute
+from .transformer_engine import TransformerEngine
 
 __all__ = ["AsyncTransformer"]
 
@@ -31,7 +26,7 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 DEFAULT_CUDA_KV_FRACTION = 0.25
 
 
-class AsyncTransformer(AdapterMixin, AsyncLM):
+class AsyncTransformer(AsyncLM):
     """A Hugging Face causal LM behind the :class:`AsyncLM` contract, reusing key/value states.
 
     Log-probabilities are the float32 log-softmax of the model's logits over its whole output
@@ -80,31 +75,12 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
     ):
         if hf_tokenizer is None:
             raise TypeError("hf_tokenizer is required: the model's Hugging Face tokenizer")
-        super().__init__(hf_tokenizer, batch_size=batch_size, timeout=timeout, **kwargs)
-        self.model = hf_model.eval()
-        self.device = hf_model.get_input_embeddings().weight.device
-        output = hf_model.get_output_embeddings()
-        config = (
-            hf_model.config.get_text_config()
-            if hasattr(hf_model.config, "get_text_config")
-            else hf_model.config
-        )
-        self._vocab_size = (
-            int(output.weight.shape[0]) if output is not None else int(config.vocab_size)
-        )
-        limit = getattr(config, "max_position_embeddings", None)
-        self._max_prompt_len = int(limit) if isinstance(limit, int) and limit > 0 else None
-        self._keeps_logits = accepts_logits_to_keep(hf_model)
+        device = hf_model.get_input_embeddings().weight.device
         if max_kv_cache_bytes is None:
-            max_kv_cache_bytes = _default_kv_bytes(self.device)
-        self.max_forward_tokens = int(max_forward_tokens)
-        self._kv = KVTrie(max_kv_cache_bytes)
-        self._lock = threading.RLock()  # the trie and the model's adapter state
-        self._has_adapters = False
-        self._warned_oversized = False
-        self.num_forward_passes = 0
-        self.num_forward_tokens = 0
-        self.num_reused_tokens = 0
+            max_kv_cache_bytes = _default_kv_bytes(device)
+        engine = TransformerEngine(hf_model, max_kv_cache_bytes, max_forward_tokens)
+        super().__init__(hf_tokenizer, engine, batch_size=batch_size, timeout=timeout, **kwargs)
+        self.device = engine.device
 
     @classmethod
     def from_name(
@@ -150,37 +126,13 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
             model = model.to("cuda")
         return cls(model, tokenizer, **kwargs)
 
-    # ---- the backend contract ---------------------------------------------------------
-
-    @property
-    def max_prompt_len(self) -> int | None:
-        """``max_position_embeddings`` of the model's config, when it sets one."""
-        self._check_open()
-        return self._max_prompt_len
-
-    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> list[Any]:
-        results: list[Any] = [None] * len(requests)
-        by_adapter: dict[str | None, list[int]] = {}
-        for i, request in enumerate(requests):
-            by_adapter.setdefault(request.lora_name, []).append(i)
-        with self._lock, torch.no_grad():
-            try:
-                for adapter, slots in by_adapter.items():
-                    removed = self._removed_adapter(adapter)
-                    if removed is not None:  # since these requests were queued: they fail alone
-                        for i in slots:
-                            results[i] = removed
-                        continue
-                    with self._adapter(adapter):
-                        self._run(
-                            adapter,
-                            [(i, requests[i].token_ids) for i in slots],
-                            results,
-                            wants_logits=True,
-                        )
-            finally:
-                self._evict()
-        return results
+    # The engine's: the model (a peft model while adapters are loaded; None once cleaned up),
+    # the most new tokens of one grouped forward pass, and the counters of :meth:`stats`.
+    model = EngineAttribute()
+    max_forward_tokens = EngineAttribute()
+    num_forward_passes = EngineAttribute()
+    num_forward_tokens = EngineAttribute()
+    num_reused_tokens = EngineAttribute()
 
     # ---- key/value reuse ----------------------------------------------------------------
 
@@ -191,20 +143,7 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
         the memory bound). Does nothing when the whole prompt is cached already.
         """
         request = self._request(prompt_tokens, lora_name)
-
-        def work() -> None:
-            with self._lock, torch.no_grad(), self._adapter(request.lora_name):
-                results: list[Any] = [None]
-                try:
-                    self._run(
-                        request.lora_name, [(0, request.token_ids)], results, wants_logits=False
-                    )
-                finally:
-                    self._evict()
-                if isinstance(results[0], BaseException):
-                    raise results[0]
-
-        self._on_engine(work)
+        self._on_engine(self.engine.cache_kv, request)
 
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], lora_name: str | None = None
@@ -217,21 +156,13 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
             A float32 tensor ``[V]`` of log-probabilities, on the model's device.
         """
         request = self._request(token_ids, lora_name)
-
-        def work() -> torch.Tensor:
-            with self._lock, torch.no_grad(), self._adapter(request.lora_name):
-                kwargs = {"logits_to_keep": 1} if self._keeps_logits else {}
-                ids = torch.tensor([request.token_ids], device=self.device)
-                logits = self.model(input_ids=ids, use_cache=False, **kwargs).logits
-                return logits[0, -1].float().log_softmax(dim=-1)
-
-        return self._on_engine(work)
+        return self._on_engine(self.engine.uncached_row, request)
 
     def clear_kv_cache(self) -> None:
         """Forgets every cached key/value state (of every adapter)."""
         self._check_open()
-        with self._lock:
-            self._kv.clear()
+        with self.engine.lock:
+            self.engine.kv.clear()
 
     def clear_cache(self) -> None:
         """Empties the output cache and the key/value trie."""
@@ -241,119 +172,12 @@ class AsyncTransformer(AdapterMixin, AsyncLM):
     def stats(self) -> dict[str, Any]:
         """Batching counters, plus forward passes, tokens run, tokens reused and the trie's size."""
         self._check_open()
-        with self._lock:
-            kv = {
-                "num_forward_passes": self.num_forward_passes,
-                "num_forward_tokens": self.num_forward_tokens,
-                "num_reused_tokens": self.num_reused_tokens,
-                "kv_cache_bytes": self._kv.num_bytes,
-                "kv_cache_blocks": self._kv.num_blocks,
-                "kv_evicted_blocks": self._kv.num_evicted_blocks,
-                "max_kv_cache_bytes": self._kv.max_bytes,
-            }
-        return {**super().stats(), **kv}
+        return {**super().stats(), **self.engine.stats()}
 
-    # ---- evaluation -------------------------------------------------------------------
-
-    def _run(
-        self,
-        adapter: str | None,
-        prompts: list[tuple[int, tuple[int, ...]]],
-        results: list[Any],
-        *,
-        wants_logits: bool,
-    ) -> None:
-        """Evaluates ``prompts`` (slot, token ids) of one adapter into ``results[slot]``.
-
-        A forward pass that fails is retried prompt by prompt, so one failing prompt (or a
-        batch too large for memory) fails only its own callers.
-        """
-        steps = [
-            make_step(self._kv, adapter, slot, ids, wants_logits=wants_logits)
-            for slot, ids in prompts
-        ]
-        prefixes = shared_prefixes(steps)
-        if prefixes:  # run prefixes shared within the batch once, then resume every prompt
-            self._run_steps(
-                adapter,
-                [make_step(self._kv, adapter, -1, p, wants_logits=False) for p in prefixes],
-                [],
-                wants_logits=False,
-            )
-            steps = [
-                make_step(self._kv, adapter, slot, ids, wants_logits=wants_logits)
-                for slot, ids in prompts
-            ]
-        self._run_steps(adapter, steps, results, wants_logits=wants_logits)
-
-    def _run_steps(
-        self, adapter: str | None, steps: list[Step], results: list[Any], *, wants_logits: bool
-    ) -> None:
-        chunks = plan_chunks(
-            steps,
-            vocab_size=self._vocab_size,
-            max_forward_tokens=self.max_forward_tokens,
-            keeps_logits=self._keeps_logits,
-        )
-        for chunk in chunks:
-            try:
-                self._run_chunk(adapter, chunk, results)
-            except Exception as exc:  # noqa: BLE001 - routed to the callers below
-                if len(chunk) == 1:
-                    _store(results, chunk[0].slot, _engine_error(exc))
-                    continue
-                for step in chunk:
-                    try:
-                        retry = make_step(
-                            self._kv, adapter, step.slot, step.token_ids, wants_logits=wants_logits
-                        )
-                        if retry.num_new > 0:
-                            self._run_chunk(adapter, [retry], results)
-                    except Exception as exc_one:  # noqa: BLE001 - this prompt's own failure
-                        _store(results, step.slot, _engine_error(exc_one))
-
-    def _run_chunk(self, adapter: str | None, chunk: list[Step], results: list[Any]) -> None:
-        rows = run_chunk(
-            self.model,
-            self._kv,
-            adapter,
-            chunk,
-            device=self.device,
-            keeps_logits=self._keeps_logits,
-        )
-        self.num_forward_passes += 1
-        self.num_forward_tokens += sum(s.num_new for s in chunk)
-        self.num_reused_tokens += sum(s.num_cached for s in chunk)
-        for step, row in rows:
-            _store(results, step.slot, row)
-
-    def _evict(self) -> None:
-        num_oversized = self._kv.num_oversized_blocks
-        self._kv.evict()
-        if num_oversized and not self._warned_oversized:
-            self._warned_oversized = True
-            warnings.warn(
-                "the key/value states of one forward pass exceeded "
-                f"max_kv_cache_bytes={self._kv.max_bytes} "
-                "and were not kept: prompts that extend them recompute everything. Raise "
-                "max_kv_cache_bytes (or lower batch_size).",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def _on_engine(self, work: Any) -> Any:
-        """Runs ``work`` on the engine thread (so it never overlaps a batch) and waits."""
+    def _on_engine(self, work: Any, request: LogprobsRequest) -> Any:
+        """Runs ``work(request)`` on the engine thread (so it never overlaps a batch), waits."""
         self._check_open()
-        return self._engine_thread.submit(work).result()
-
-    # ---- lifecycle ------------------------------------------------------------------------
-
-    def _close(self) -> None:
-        with self._lock:
-            self._kv.clear()
-            self.model = None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        return self.engine.run(work, request)
 
 
 def _default_kv_bytes(device: torch.device) -> int:
@@ -361,16 +185,3 @@ def _default_kv_bytes(device: torch.device) -> int:
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * DEFAULT_CUDA_KV_FRACTION)
     return DEFAULT_CPU_KV_BYTES
-
-
-def _store(results: list[Any], slot: int, value: Any) -> None:
-    if slot >= 0:  # slot -1: a shared prefix run only for its states
-        results[slot] = value
-
-
-def _engine_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, (EngineError, InvalidRequestError)):
-        return exc
-    error = EngineError(f"the model failed on this prompt: {exc!r}")
-    error.__cause__ = exc
-    return error

@@ -1,7 +1,8 @@
 """The vLLM backend, :class:`AsyncVirtualLM`.
 
-:mod:`.virtual_lm` is the class (with :mod:`.logprobs`, :mod:`.lora_requests` and
-:mod:`.engine_sampling`, its mixins); :mod:`.runner` steps the engine on the engine thread;
+:mod:`.virtual_lm` is the class, a front over its engine, :mod:`.vllm_engine` (with
+:mod:`.logprobs`, its log-probability steps, :mod:`.lora_requests`, its adapters, and
+:mod:`.engine_sampling`, vLLM's sampler); :mod:`.runner` steps the engine on its thread;
 :mod:`.capture` and :mod:`.forcing` run inside the engine step; :mod:`.session_pool` keeps
 requests alive as engine sessions; :mod:`.startup` builds the engine;
 :mod:`genlm_backend.llm.row_ring` carries rows from worker processes. :mod:`.internals` is the

@@ -1,5 +1,5 @@
-"""Sampling options of :class:`~genlm_backend.llm.vllm.AsyncVirtualLM`, mapped to
-``SamplingParams``."""
+"""vLLM's own sampling, the vLLM engine's ``sample``: options mapped to ``SamplingParams``,
+concurrent calls batched, each result handed over as soon as its sequence finishes."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ...batching import Batcher
+from ...engine_thread import EngineThread
 from ...exceptions import InvalidRequestError, InvalidRequestTypeError
-from ..validation import check_max_tokens, check_seed, check_temperature
-from .runner import EngineJob
+from ..prompts import LogprobsRequest
+from .lora_requests import LoRARequests
+from .runner import EngineJob, EngineRunner
 
 __all__ = [
     "SAMPLING_OPTIONS",
-    "SamplingMixin",
+    "EngineSampler",
     "build_sampling_params",
     "samples_of",
     "strip_at_eos",
@@ -168,86 +171,41 @@ def _settle(future: asyncio.Future, result: Any) -> None:
         future.set_result(result)
 
 
-class SamplingMixin:
-    """``sample`` and ``batch_sample`` of :class:`~genlm_backend.llm.vllm.AsyncVirtualLM`:
-    concurrent calls become one engine batch (``self._sample_batcher``, run by
-    ``self._runner``), each result delivered as soon as its sequence finishes."""
+class EngineSampler:
+    """vLLM's own sampler, the engine's ``sample``: concurrent calls become one engine batch
+    (a ``Batcher`` that runs on the engine thread), each result delivered as soon as its
+    sequence finishes.
+
+    Args:
+        runner: runs the batches' jobs.
+        thread: the engine thread.
+        lora: the engine's adapters.
+        max_batch_size, timeout, flush: of the sampling batcher.
+    """
+
+    def __init__(self, runner: EngineRunner, thread: EngineThread, lora: LoRARequests,
+                 max_batch_size: int, timeout: float, flush: str):
+        self._runner, self._lora = runner, lora
+        self.batcher = Batcher(
+            runner.run, max_batch_size=max_batch_size, timeout=timeout, flush=flush,
+            executor=thread, name="AsyncVirtualLM.sample",
+        )
 
     async def sample(
         self,
-        prompt_token_ids: Any,
+        request: LogprobsRequest,
         max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        *,
-        lora_name: str | None = None,
-        **options: Any,
+        eos_token_ids: frozenset[int],
+        temperature: float,
+        seed: int | None,
+        options: dict[str, Any],
     ) -> list[int] | list[list[int]]:
-        """Samples a continuation in vLLM; concurrent calls become one engine batch.
-
-        Stops after ``max_tokens`` tokens or at the first token whose id is in
-        ``eos_token_ids`` (matched by id; not returned). The result arrives as soon as this
-        sequence finishes, not when the whole batch does. Same seed, same result.
-
-        Args:
-            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed: as in
-                :meth:`AsyncLM.sample` (a seed is an int in ``[0, 2**63 - 1]``); temperature
-                0 is greedy.
-            lora_name: the adapter for this call (None: the active one).
-            **options: ``top_p``, ``top_k``, ``min_p``, ``stop_token_ids`` (more ids that
-                end the sequence, not returned), ``repetition_penalty``,
-                ``presence_penalty``, ``frequency_penalty``, ``n`` (samples per prompt;
-                with ``n > 1`` the result is a list of ``n`` token lists), ``regex`` or
-                ``json_schema`` (structured output through vLLM's guided decoding; JSON is
-                generated compact, without free whitespace).
-
-        Raises:
-            InvalidRequestError: bad prompt, option or adapter (for this caller only).
-        """
-        job = self._sample_job(
-            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name, options
-        )
-        return await self._submit_sample(job)
-
-    async def batch_sample(
-        self,
-        prompt_token_ids_list: Iterable[Any],
-        max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        *,
-        lora_name: str | None = None,
-        **options: Any,
-    ) -> list[Any]:
-        """One :meth:`sample` per prompt, in one engine batch; prompt i uses seed ``seed + i``
-        (each in ``[0, 2**63 - 1]``). Every argument is checked before any prompt is queued."""
-        prompts = [r.token_ids for r in self._requests(prompt_token_ids_list, lora_name)]
-        seed = check_seed(seed, len(prompts))
-        jobs = [
-            self._sample_job(p, max_tokens, eos_token_ids, temperature,
-                             None if seed is None else seed + i, lora_name, options)
-            for i, p in enumerate(prompts)
-        ]
-        return list(await asyncio.gather(*(self._submit_sample(job) for job in jobs)))
-
-    def _sample_job(
-        self, prompt, max_tokens, eos_token_ids, temperature, seed, lora_name, options
-    ) -> EngineJob:
-        request = self._request(prompt, lora_name)
+        """Samples a continuation of ``request`` (checked) in vLLM; ``options``: see
+        :data:`SAMPLING_OPTIONS`."""
         params = build_sampling_params(
-            max_tokens=check_max_tokens(max_tokens),
-            eos_token_ids=self._eos_set(eos_token_ids),
-            temperature=check_temperature(temperature),
-            seed=check_seed(seed),
-            options=options,
+            max_tokens=max_tokens, eos_token_ids=eos_token_ids, temperature=temperature,
+            seed=seed, options=options,
         )
-        lora_request = self._lora_request(request.lora_name)
-        return EngineJob(request.token_ids, params, samples_of(params), lora_request)
-
-    async def _submit_sample(self, job: EngineJob) -> Any:
-        return await submit_with_early_delivery(self._sample_batcher, job)
-
-    def _evaluate_samples(self, jobs: list[EngineJob]) -> list[Any]:
-        return self._runner.run(jobs)
+        job = EngineJob(request.token_ids, params, samples_of(params),
+                        self._lora.request(request.lora_name))
+        return await submit_with_early_delivery(self.batcher, job)

@@ -1,7 +1,6 @@
-"""How :class:`~genlm_backend.llm.vllm.AsyncVirtualLM` runs a log-probability batch on the
-engine thread: match the requests to sessions, make their engine jobs, run them, settle the
-sessions; the holds between steps; and the rows vLLM lists where no capture processor runs
-(speculative decoding)."""
+"""How the vLLM engine (:class:`.vllm_engine.VLLMEngine`) runs a log-probability batch on
+its thread: match the requests to sessions, make their engine jobs, run them, settle the
+sessions."""
 
 from __future__ import annotations
 
@@ -11,25 +10,43 @@ from typing import Any
 
 import torch
 
+from ...engine_thread import EngineThread
 from ..prompts import LogprobsRequest
-from . import internals
-from .runner import EngineJob, RowBatch
+from .lora_requests import LoRARequests
+from .runner import EngineJob, EngineRunner, RowBatch
 from .session_pool import PlanEntry, Session, SessionPool
 
-__all__ = ["Continued", "LogprobsMixin", "listing_refusal"]
+__all__ = ["Continued", "LogprobSteps", "listing_refusal"]
 
 
-class LogprobsMixin:
-    """The log-probability path of ``AsyncVirtualLM`` (its engine, sink, sessions and runner
-    are set up by its constructor)."""
+class LogprobSteps:
+    """How :class:`.vllm_engine.VLLMEngine` runs one log-probability batch on its thread.
 
-    def _start_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
+    Args:
+        sessions: the engine's session pool.
+        sink: its capture sink (:class:`.capture.CaptureSink`).
+        lora: its adapters (:class:`.lora_requests.LoRARequests`).
+        runner: its runner.
+        thread: its engine thread.
+        holds: sessions are held between steps (their chunks take ``held_params``).
+        plain_params, held_params: the ``SamplingParams`` of a plain request and of a
+            held session's chunk, copied for each job.
+    """
+
+    def __init__(self, *, sessions: SessionPool, sink: Any, lora: LoRARequests,
+                 runner: EngineRunner, thread: EngineThread, holds: bool, plain_params: Any,
+                 held_params: Any):
+        self._sessions, self._sink, self._lora = sessions, sink, lora
+        self._runner, self._thread, self._holds = runner, thread, holds
+        self._plain_params, self._held_params = plain_params, held_params
+
+    def start_batch(self, requests: list[LogprobsRequest], batch: RowBatch) -> None:
         """On the engine thread: matches ``requests`` to sessions, then runs them next.
 
         Requests that continue held sessions get no job: their rows come from the sessions'
         next step (see :mod:`.session_pool`)."""
         try:
-            requests = self._with_adapters(requests, batch)
+            requests = self._lora.with_adapters(requests, batch)
             plan = self._sessions.plan(requests, batch)
             jobs = [
                 None if r is None or type(entry) is Session
@@ -43,14 +60,14 @@ class LogprobsMixin:
         except BaseException as exc:  # noqa: BLE001 - fails this batch only
             batch.fail(exc)
             return
-        self._engine_thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
+        self._thread.submit_next(self._run_batch, requests, plan, jobs, continued, batch)
 
     def _logprob_job(
         self, request: LogprobsRequest, entry: PlanEntry | None, batch: RowBatch, i: int
     ) -> EngineJob:
         """A plain request (``entry`` None) or a chunk of ``entry``'s session."""
         sink = self._sink
-        lora_request = self._lora_request(request.lora_name)
+        lora_request = self._lora.request(request.lora_name)
         tag = sink.next_tag() if sink.final_in_step else sink.new_tag()
         base = self._held_params if entry is not None and self._holds else self._plain_params
         params = copy.copy(base)
@@ -83,54 +100,6 @@ class LogprobsMixin:
                         self._sink.discard(job.tag)
             finally:
                 batch.wake()
-
-    def _on_retry(self, jobs: list[EngineJob]) -> None:
-        """Before jobs run again as plain requests (after an out-of-memory error): their
-        sessions are gone; their rows go to the jobs themselves."""
-        for job in jobs:
-            session = None if job.stream_id is None else self._sessions.get(job.stream_id)
-            if session is not None:
-                self._sessions.close(session)
-            if job.tag is not None and self._sink.final_in_step:
-                self._sink.expect(job.tag, job.finish)
-
-    def _on_step(self, tags: list[int]) -> dict[int, int]:
-        """Inside an engine step, after its rows went out: holds the step for the next batch's
-        plan while the held sessions wait for it; returns the tokens to force."""
-        if not self._sessions.holds:
-            return {}
-        if self._runner.can_hold():  # the batch's rows go to the loop now
-            self._sessions.decided = False
-            self._engine_thread.hold(lambda: self._sessions.decided, self.session_hold_s)
-        return self._sessions.release()
-
-    def _park(self, session: Any) -> None:
-        request, llm = session.engine_request, self.llm
-        if llm is None:
-            return
-        if request is None or not internals.park(llm.llm_engine, request.request_id):
-            self._sessions.close(session)
-
-    def _install_listing(self, engine: Any) -> str | None:
-        """Takes the listed rows from this engine's step outputs; returns why it cannot, or None."""
-        from .capture import CAPTURE_KEY  # imports vllm
-
-        refusal = listing_refusal(self._model_config.max_logprobs, self._vocab_size)
-        if refusal is not None:
-            return refusal
-        if not internals.install_listed_rows(engine, CAPTURE_KEY, self._receive_listed):
-            return ("this vLLM's output processor differs from the checked versions "
-                    f"{internals.CHECKED_VERSIONS}: full-vocabulary log-probabilities need "
-                    "the capture logits processor here")
-        return None
-
-    def _receive_listed(self, mark: Any, token_ids: Any, logprobs: Any) -> None:
-        """A row vLLM listed (token ids and their log-probabilities) for one of our requests."""
-        token, tag = mark
-        if token == self._sink.token:
-            row = torch.full((self._vocab_size,), float("-inf"), dtype=torch.float32)
-            row[torch.from_numpy(token_ids).long()] = torch.from_numpy(logprobs).float()
-            self._sink.receive(tag, row)
 
 
 def listing_refusal(max_logprobs: int, vocab_size: int) -> str | None:

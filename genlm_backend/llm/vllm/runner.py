@@ -114,27 +114,39 @@ class EngineRunner:
     halves, down to single jobs; a single job that still runs out of memory gets an
     :class:`~genlm_backend.exceptions.EngineError`. Any other engine error aborts the
     unfinished jobs and propagates (the batcher hands it to every awaiter of the batch).
+
+    Args:
+        llm: the ``vllm.LLM`` whose engine runs the jobs.
+        default_convert: (job, RequestOutput) -> result, for jobs without a ``convert``.
+        check_lora: (a job's LoRARequest) -> the error that fails the job instead of adding
+            it (its adapter was removed since), or None.
+        on_retry: called with the jobs retried as plain requests after an out-of-memory error.
+        between_steps: called after every engine step (other engines' turn).
+        free_parked: (jobs, limit) -> whether any went: closes parked sessions not in
+            ``jobs``, least recently used first, at most ``limit`` (None: all); called when
+            the scheduler stalls, and before jobs that add more requests than it has slots.
     """
 
-    def __init__(self, llm: Any):
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        default_convert: Callable[[EngineJob, Any], Any] = lambda job, output: output,
+        check_lora: Callable[[Any], BaseException | None] = lambda lora_request: None,
+        on_retry: Callable[[Sequence[EngineJob]], None] | None = None,
+        between_steps: Callable[[], None] = lambda: None,
+        free_parked: Callable[[Sequence[EngineJob], int | None], bool] | None = None,
+    ):
         self.llm = llm
         self.stats = EngineStats()
         self._ids = itertools.count()
-        # (jobs, limit) -> whether any went: closes parked sessions that are not part of
-        # ``jobs``, least recently used first, at most ``limit`` of them (None: all). Called
-        # when the scheduler stalls (waiting requests, none running), and before jobs that add
-        # more requests than the scheduler has free slots (parked sessions hold slots).
-        self.free_parked: Callable[[Sequence[EngineJob], int | None], bool] | None = None
+        self.free_parked = free_parked
         self.stall_timeout_s = 60.0
-        # (job, RequestOutput) -> result, for jobs without their own ``convert``.
-        self.default_convert: Callable[[EngineJob, Any], Any] = lambda job, output: output
-        # Called with the jobs about to be retried as plain requests after an out-of-memory
-        # error, before they change (their sessions are gone).
-        self.on_retry: Callable[[Sequence[EngineJob]], None] | None = None
-        # (a job's LoRARequest) -> the error that fails the job instead of adding it, or None.
-        self.check_lora: Callable[[Any], BaseException | None] = lambda lora_request: None
+        self.default_convert = default_convert
+        self.on_retry = on_retry
+        self.check_lora = check_lora
         self.in_step = False
-        self.between_steps: Callable[[], None] = lambda: None  # other engines' turn
+        self.between_steps = between_steps
         self.closed = False  # set by close(): the run in flight stops after its step
         self._deferred_aborts: list[str] = []
         self._batch: RowBatch | None = None

@@ -1,44 +1,24 @@
 """`AsyncVirtualLM`: the vLLM backend — exact full-vocabulary log-probabilities and sampling.
 
-How a log-probability row is made: every distinct prompt of a batch becomes one engine
-request (or a chunk of a live session, :mod:`.session_pool`) whose
-``SamplingParams.extra_args`` carry a capture tag. A logits processor installed in the engine
-(:mod:`.capture`) maps batch rows to tags from vLLM's batch updates and hands the fp32
-log-softmax of each request's final row to its caller inside the engine step that computed
-it, also when vLLM spreads the batch over several steps (chunked prefill, more prompts than
-``max_num_seqs``). Sampling requests carry no tag and pay nothing for it. vLLM refuses logits
-processors alongside speculative decoding: such an engine lists every token's log-probability
-instead (``logprobs=-1``), and the rows are taken from the step's output on the CPU.
-
-Lockstep sampling: once every row of a batch is out, the step waits (briefly; any other
-engine work ends the wait) for the next batch. Requests that extend a session's context by
-one token continue it: their token is forced as the session's next token, so the next step
-is a plain decode step over the running requests, as in vLLM's own generation loop.
-
-Engine work runs on the model's single engine thread, the log-probability batches' and the
-sampling batcher's alike; the engine threads of all models in the process take turns
-(:data:`.runner.ENGINE_LOCK`), so engine calls never overlap. vllm is imported when an
-engine is first built or wrapped, not when the class is named.
+A front over its engine (:class:`.vllm_engine.VLLMEngine`, which says how rows are made):
+this class builds the engine (:meth:`AsyncVirtualLM.from_name` starts the ``vllm.LLM``) and
+hands it to :class:`~genlm_backend.llm.base.AsyncLM`, which validates, batches and caches.
+vllm is imported when an engine is first built or wrapped, not when the class is named.
 """
+
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ...batching import Batcher
-from ...exceptions import EngineError
-from ..base import AsyncLM, LogprobsRequest, stops_what_it_started
+from ..base import AsyncLM, stops_what_it_started
 from ..validation import one_or_many_prompts
 from . import internals, startup
-from .closing import ClosingMixin
-from .engine_sampling import SamplingMixin
-from .logprobs import LogprobsMixin
-from .lora_requests import LoRAMixin
-from .runner import ENGINE_LOCK, EngineJob, EngineRunner, RowBatch
-from .session_pool import SessionPool
+from .runner import ENGINE_LOCK
+from .vllm_engine import VLLMEngine
 
 __all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
 
@@ -70,7 +50,7 @@ def _require_vllm() -> Any:
     return vllm
 
 
-class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, AsyncLM):
+class AsyncVirtualLM(AsyncLM):
     """A vLLM model whose log-probabilities and samples are awaited and auto-batched.
 
     Build it with :meth:`from_name`. Rows are fp32 log-softmax over the model's whole
@@ -80,7 +60,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
     ``cache_size > 0`` rows are cached per (prompt, adapter).
 
     Args:
-        llm: a ``vllm.LLM`` built with ``logits_processors=[LogprobsCaptureProcessor]``
+        llm: a ``vllm.LLM`` built as :meth:`from_name` builds it (rows from Model Runner
+            V2's sampler through ``worker_cls``, or ``logits_processors=[LogprobsCaptureProcessor]``
             (:meth:`from_name` does this), its engine core in this process (from_name
             builds it so; a ``vllm.LLM`` of your own needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
             while it is built, and, where other engines of this process run meanwhile, to be
@@ -121,6 +102,8 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
             module that engine runs).
     """
 
+    engine: VLLMEngine
+
     @stops_what_it_started
     def __init__(
         self,
@@ -136,93 +119,22 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         session_idle_batches: int = 8,
         session_hold_s: float = 1.0,
     ):
-        vllm = _require_vllm()
-        from . import capture, remote_rows
-        from .forcing import ForcedSampling
-
+        _require_vllm()
         if batch_size is None:
             max_num_seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
             batch_size = max(int(max_num_seqs), DEFAULT_BATCH_SIZE)
         tokenizer = startup.hf_tokenizer(llm)
+        engine = VLLMEngine(
+            llm, sample_batch_size=max(batch_size, SAMPLE_BATCH_SIZE), timeout=timeout,
+            flush=flush, can_capture=can_capture, session_idle_batches=session_idle_batches,
+            session_hold_s=session_hold_s,
+        )
         super().__init__(
-            tokenizer, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
+            tokenizer, engine, batch_size=batch_size, timeout=timeout, cache_size=cache_size,
             cache_opts=cache_opts, flush=flush,
         )
         self.llm = llm
-        internals.register_engine(llm)
-        self._model_config = llm.llm_engine.model_config
-        self._vocab_size = int(self._model_config.get_vocab_size())
-        self._runner = EngineRunner(llm)
-        self._sink = capture.CaptureSink()
-        # Model Runner V2: the rows come from its sampler, which tells final rows itself.
-        self._row_sampler = internals.row_sampler(llm.llm_engine) if can_capture else None
-        self._sink.runner_final = self._row_sampler is not None
-        # A log-probability job's row, where it is taken when its request finishes.
-        self._runner.default_convert = lambda job, output: self._sink.take(job.tag)
-        self._can_capture = can_capture
-        # Without the capture processor (speculative decoding), vLLM lists every token's
-        # log-probability and the rows are taken from the step's output.
-        self._listing_refusal = None if can_capture else self._install_listing(llm.llm_engine)
-        self._lora_requests: dict[str, Any] = {}
-        self._runner.check_lora = self._check_lora  # jobs whose adapter was removed meanwhile fail
-        engine = llm.llm_engine
-        self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs)
-        internals.install_chunk_max_tokens(engine)  # a resumed session is held again
-        internals.install_parked_bypass(engine)  # parked sessions cost no scheduler time
-        internals.install_cpu_generator_rewind(engine)  # seeded prompts split over steps
-        # Rows go to their callers inside the step that computes them where vLLM tells
-        # which rows are final; sessions are then held between steps (async scheduling off).
-        self._sink.discarded = internals.discard_mask_reader(engine)
-        # Workers in other processes (tensor parallelism, the "mp" executor) write their rows
-        # into a ring this process maps, and the step waits here for the tokens to force.
-        self._remote = (internals.install_remote_capture(llm, remote_rows.RemoteParts())
-                        if can_capture and self._row_sampler is None else None)
-        self._sink.remote_final = self._remote is not None and self._remote.final_rows
-        self._holds = (
-            can_capture
-            and (self._sink.discarded is not None or self._sink.runner_final
-                 or (self._sink.remote_final and self._remote.early))
-            and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
-        )
-        # A step whose every row is a held session continued by the next batch takes the
-        # forced tokens as its sample, without vLLM's sampler (ForcedSampling).
-        self._forcing = self._row_sampler or (
-            internals.install_forced_sampling(engine, ForcedSampling()) if self._holds else None)
-        # Steps of held sessions alone, each taking its forced token, skip vLLM's general
-        # scheduling and outputs: steady steps (not where rows are read at the update).
-        self._steady = internals.install_steady_steps(engine) if self._holds else None
-        self.session_hold_s = float(session_hold_s)
-        # Log-probability requests take one greedy token (without the capture processor they
-        # ask vLLM to list every token's log-probability); a held session runs until parked
-        # (and stops by itself at max_model_len).
-        self._plain_params = vllm.SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False, logprobs=None if can_capture else -1,
-            **internals.NO_DEEP_COPY,
-        )
-        self._held_params = vllm.SamplingParams(
-            max_tokens=self._model_config.max_model_len, ignore_eos=True, temperature=0.0,
-            detokenize=False, **internals.NO_DEEP_COPY,
-        )
-        self._sessions = SessionPool(
-            self._runner.abort, 0, session_idle_batches, park=self._park if self._holds else None,
-            follow=self._sink.follow if self._holds else None, unfollow=self._sink.unfollow,
-        )
-        if self._holds:
-            self._sink.on_step = self._on_step
-        self._runner.on_retry = self._on_retry
-        self._runner.between_steps = self._engine_thread.pass_turn
         self.set_sessions(sessions)
-        self._runner.free_parked = self._sessions.free_parked
-        # A sampling batch is one engine call that vLLM schedules continuously: capping it at
-        # ``batch_size`` would run the chunks of one ``batch_sample`` one after another.
-        self._sample_batcher = Batcher(
-            self._evaluate_samples,
-            max_batch_size=max(batch_size, SAMPLE_BATCH_SIZE),
-            timeout=timeout,
-            flush=flush,
-            executor=self._engine_thread,
-            name="AsyncVirtualLM.sample",
-        )
 
     @classmethod
     def from_name(cls, model_name: str, engine_opts: dict | None = None,
@@ -272,13 +184,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
                 internals.shutdown(llm)  # the engine started here stops with the failure
             raise
 
-    # ---- what AsyncLM needs ---------------------------------------------------------------
-
-    @property
-    def max_prompt_len(self) -> int:
-        # vLLM needs room for the one token a log-probability request generates.
-        self._check_open()
-        return int(self._model_config.max_model_len) - 1
+    # ---- what the vLLM backend adds -----------------------------------------------------
 
     @property
     def underlying_model(self) -> torch.nn.Module:
@@ -291,20 +197,60 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
                 ``tensor_parallel_size > 1`` or ``distributed_executor_backend="mp"``).
         """
         self._check_open()
-        return internals.model_module(self.llm)
+        return self.engine.model_module()
 
-    _evaluates_on_loop = True  # the batch goes to the engine thread from the loop directly
-    _engine_lock = ENGINE_LOCK  # in-process vLLM engines run one at a time
+    async def sample(
+        self,
+        prompt_token_ids: Any,
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        *,
+        lora_name: str | None = None,
+        **options: Any,
+    ) -> list[int] | list[list[int]]:
+        """Samples a continuation in vLLM; concurrent calls become one engine batch.
 
-    def _evaluate_logprobs(self, requests: list[LogprobsRequest]) -> Any:
-        """On the event loop: hands the batch to the engine thread; returns a future of its rows."""
-        if self._listing_refusal is not None:
-            return [EngineError(self._listing_refusal) for _ in requests]
-        batch = RowBatch(asyncio.get_running_loop(), len(requests), deferred=self._holds)
-        # Hold-safe: if the engine is holding the step of the previous batch's rows, the plan
-        # runs inside it and decides which sessions continue.
-        self._engine_thread.submit_hold_safe(self._start_batch, requests, batch)
-        return batch.future
+        Stops after ``max_tokens`` tokens or at the first token whose id is in
+        ``eos_token_ids`` (matched by id; not returned). The result arrives as soon as this
+        sequence finishes, not when the whole batch does. Same seed, same result.
+
+        Args:
+            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed: as in
+                :meth:`AsyncLM.sample` (a seed is an int in ``[0, 2**63 - 1]``); temperature
+                0 is greedy.
+            lora_name: the adapter for this call (None: the active one).
+            **options: ``top_p``, ``top_k``, ``min_p``, ``stop_token_ids`` (more ids that
+                end the sequence, not returned), ``repetition_penalty``,
+                ``presence_penalty``, ``frequency_penalty``, ``n`` (samples per prompt;
+                with ``n > 1`` the result is a list of ``n`` token lists), ``regex`` or
+                ``json_schema`` (structured output through vLLM's guided decoding; JSON is
+                generated compact, without free whitespace).
+
+        Raises:
+            InvalidRequestError: bad prompt, option or adapter (for this caller only).
+        """
+        return await self._sample(
+            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name, options
+        )
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Iterable[Any],
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        *,
+        lora_name: str | None = None,
+        **options: Any,
+    ) -> list[Any]:
+        """One :meth:`sample` per prompt, in one engine batch; prompt i uses seed ``seed + i``
+        (each in ``[0, 2**63 - 1]``). Every argument is checked before any prompt is queued."""
+        return await self._batch_sample(
+            prompt_token_ids_list, max_tokens, eos_token_ids, temperature, seed, lora_name, options
+        )
 
     def set_sessions(self, sessions: bool | int) -> None:
         """Turns engine sessions on (True: up to ``max_num_seqs``; an int: at most that
@@ -314,14 +260,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
             TypeError: ``sessions`` is neither a bool nor an int.
         """
         self._check_open()
-        if not isinstance(sessions, int):
-            raise TypeError(f"sessions must be True, False or an int, got {sessions!r}")
-        capacity = self._session_slots
-        if sessions is not True:
-            capacity = min(int(sessions), capacity)
-        usable = self._can_capture and internals.supports_sessions(self.llm.llm_engine)
-        capacity = max(capacity, 0) if usable else 0
-        self._engine_thread.submit(self._sessions.resize, capacity).result()
+        self.engine.set_sessions(sessions)
 
     def close_sessions(self) -> int:
         """Closes every live engine session (waits for the engine thread); returns how many.
@@ -330,7 +269,7 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         forever otherwise). Later log-probability requests open new ones.
         """
         self._check_open()
-        return self._engine_thread.submit(self._sessions.close_all).result()
+        return self.engine.close_sessions()
 
     # ---- operations -----------------------------------------------------------------------
 
@@ -341,20 +280,12 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         on by default). Prompts take every form of :meth:`next_token_logprobs`. Blocks.
         """
         requests = self._requests(one_or_many_prompts(prefixes), lora_name)
-        vllm = _require_vllm()
-        jobs = [
-            EngineJob(r.token_ids, vllm.SamplingParams(max_tokens=1, detokenize=False),
-                      lambda o: None, self._lora_request(r.lora_name))
-            for r in requests
-        ]
-        for result in self._engine_thread.submit(self._runner.run, jobs).result():
-            if isinstance(result, BaseException):
-                raise result
+        self.engine.warm_up(requests)
 
     def reset_async_queries(self) -> None:
         """Drops every queued log-probability and sampling request (awaiters get an error)."""
         super().reset_async_queries()
-        self._sample_batcher.reset()
+        self.engine.sampler.batcher.reset()
 
     def stats(self) -> dict[str, Any]:
         """Batching, cache and engine counters.
@@ -364,22 +295,29 @@ class AsyncVirtualLM(LogprobsMixin, LoRAMixin, SamplingMixin, ClosingMixin, Asyn
         ``sample``: the sampling batcher's counters; ``engine``: engine calls and steps,
         ``engine_s`` (seconds inside the engine), ``num_oom_splits``,
         ``prefix_cache_hit_rate`` (cached / total prompt tokens of finished requests),
-        ``num_forced_steps`` (steps whose tokens were all forced, sampled without vLLM's
-        sampler), ``num_steady_steps`` (steps of held sessions alone that skipped vLLM's
-        general scheduling, :func:`.internals.install_steady_steps`),
+        ``model_runner`` (``"v2"``: rows from the sampler of vLLM's Model Runner V2; ``"v1"``:
+        from the capture logits processor on its V1 runner), ``num_forced_steps`` (steps
+        whose tokens were all forced, sampled without vLLM's sampler), ``num_steady_steps``
+        (steps of held sessions alone that skipped vLLM's general scheduling,
+        :func:`.internals.install_steady_steps`),
         ``peak_device_memory_bytes`` (CUDA only; None on CPU, where
         ``peak_host_rss_bytes`` is given); ``sessions``: live, opened, extended (of which
         continued while held) and closed engine sessions. Engine counters of a batch land
         when its last engine step ends, which for held sessions is when the next batch (or
         any other engine work) arrives.
         """
-        forcing, steady = self._forcing, self._steady
-        return {
-            **super().stats(),
-            "sample": self._sample_batcher.stats.as_dict(),
-            "engine": {**self._runner.stats.as_dict(),
-                       "model_runner": "v1" if self._row_sampler is None else "v2",
-                       "num_forced_steps": 0 if forcing is None else forcing.num_skipped,
-                       "num_steady_steps": 0 if steady is None else steady.num_steady},
-            "sessions": self._sessions.stats(),
-        }
+        return {**super().stats(), **self.engine.stats()}
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        self.llm = None
+
+    def _stop_started(self) -> None:
+        """After a failed ``__init__``: stops the batcher and the engine's thread; the
+        ``vllm.LLM`` is left running (it is the caller's)."""
+        batcher = getattr(self, "_logprobs_batcher", None)
+        if batcher is not None:
+            batcher.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine._stop_started()
