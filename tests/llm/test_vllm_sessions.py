@@ -445,7 +445,9 @@ async def test_a_hold_nobody_continues_expires_and_parks_its_sessions(vlm, hf_re
     try:
         contexts = prompts_of([5, 8], seed=44)
         await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
-        await asyncio.sleep(1.0)  # no next batch, no other engine work: the wait times out
+        # No next batch, no other engine work: the 0.05 s wait times out (well before the
+        # default 1 s hold would: the attribute set on the model is the one the engine reads).
+        await asyncio.sleep(0.5)
         assert {s.status for s in vlm.engine._sessions._sessions.values()} == {SessionStatus.PARKED}
         nxt = [c + [19] for c in contexts]
         rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in nxt))

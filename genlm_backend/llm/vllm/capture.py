@@ -75,17 +75,24 @@ class CaptureSink:
     as those requests' next tokens (every other logit set to -inf).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        discarded: Callable[[int], Any] | None = None,
+        remote_final: bool = False,
+        runner_final: bool = False,
+        on_step: Callable[[list[int]], dict[int, int]] | None = None,
+    ) -> None:
         self.token = uuid.uuid4().hex
         self._tags = itertools.count(1)
         self._rows: dict[int, torch.Tensor | None] = {}
         self._targets: dict[int, Callable[[torch.Tensor], None]] = {}
         self._followers: dict[int, Callable[[torch.Tensor], None]] = {}
         self._lock = threading.Lock()
-        self.discarded: Callable[[int], Any] | None = None  # see discard_mask_reader
-        self.remote_final = False  # rows come from a worker process that tells partial prefills
-        self.runner_final = False  # the model runner tells final rows (Model Runner V2)
-        self.on_step: Callable[[list[int]], dict[int, int]] | None = None
+        self.discarded = discarded  # the V1 runner's partial prefills (discard_mask_reader)
+        self.remote_final = remote_final  # rows from a worker process that tells finality
+        self.runner_final = runner_final  # the sampler of Model Runner V2 tells final rows
+        self.on_step = on_step
         _SINKS[self.token] = self
 
     @property

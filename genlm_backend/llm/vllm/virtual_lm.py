@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..base import AsyncLM, stops_what_it_started
+from ..engine import EngineAttribute
 from ..validation import one_or_many_prompts
 from . import internals, startup
 from .runner import ENGINE_LOCK
@@ -100,9 +101,11 @@ class AsyncVirtualLM(AsyncLM):
     Attributes:
         llm: the ``vllm.LLM`` engine this backend drives (``underlying_model`` is the torch
             module that engine runs).
+        session_hold_s: as the constructor's argument; may be changed at any time.
     """
 
     engine: VLLMEngine
+    session_hold_s = EngineAttribute()
 
     @stops_what_it_started
     def __init__(

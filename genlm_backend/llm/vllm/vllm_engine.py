@@ -81,33 +81,36 @@ class VLLMEngine:
         # vLLM needs room for the one token a log-probability request generates.
         self.max_prompt_len = int(self._model_config.max_model_len) - 1
         self.thread = EngineThread("genlm-AsyncVirtualLM", ENGINE_LOCK)
-        self._sink = capture.CaptureSink()
-        # Model Runner V2: the rows come from its sampler, which tells final rows itself.
-        self._row_sampler = internals.row_sampler(llm.llm_engine) if can_capture else None
-        self._sink.runner_final = self._row_sampler is not None
         self._can_capture = can_capture
-        # Without the capture processor (speculative decoding), vLLM lists every token's
-        # log-probability and the rows are taken from the step's output.
-        self._listing_refusal = None if can_capture else self._install_listing(llm.llm_engine)
         engine = llm.llm_engine
         self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs)
         internals.install_chunk_max_tokens(engine)  # a resumed session is held again
         internals.install_parked_bypass(engine)  # parked sessions cost no scheduler time
         internals.install_cpu_generator_rewind(engine)  # seeded prompts split over steps
-        # Rows go to their callers inside the step that computes them where vLLM tells
-        # which rows are final; sessions are then held between steps (async scheduling off).
-        self._sink.discarded = internals.discard_mask_reader(engine)
+        # Rows go to their callers inside the step that computes them where the step tells
+        # which rows are final: Model Runner V2's sampler, or the V1 runner's mask of partial
+        # prefills; sessions are then held between steps (async scheduling off).
+        self._row_sampler = internals.row_sampler(engine) if can_capture else None
+        discarded = internals.discard_mask_reader(engine)
         # Workers in other processes (tensor parallelism, the "mp" executor) write their rows
         # into a ring this process maps, and the step waits here for the tokens to force.
         self._remote = (internals.install_remote_capture(llm, remote_rows.RemoteParts())
                         if can_capture and self._row_sampler is None else None)
-        self._sink.remote_final = self._remote is not None and self._remote.final_rows
+        remote_final = self._remote is not None and self._remote.final_rows
         self._holds = (
             can_capture
-            and (self._sink.discarded is not None or self._sink.runner_final
-                 or (self._sink.remote_final and self._remote.early))
+            and (discarded is not None or self._row_sampler is not None
+                 or (remote_final and self._remote.early))
             and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
         )
+        self._sink = capture.CaptureSink(
+            discarded=discarded, remote_final=remote_final,
+            runner_final=self._row_sampler is not None,
+            on_step=self._on_step if self._holds else None,
+        )
+        # Without the capture processor (speculative decoding), vLLM lists every token's
+        # log-probability and the rows are taken from the step's output.
+        self._listing_refusal = None if can_capture else self._install_listing(engine)
         # A step whose every row is a held session continued by the next batch takes the
         # forced tokens as its sample, without vLLM's sampler (ForcedSampling).
         self._forcing = self._row_sampler or (
@@ -131,8 +134,6 @@ class VLLMEngine:
             self._abort, 0, session_idle_batches, park=self._park if self._holds else None,
             follow=self._sink.follow if self._holds else None, unfollow=self._sink.unfollow,
         )
-        if self._holds:
-            self._sink.on_step = self._on_step
         self.lora = LoRARequests(llm, self.thread, self._sessions)
         self._runner = EngineRunner(
             llm,
