@@ -88,6 +88,8 @@ def main() -> dict:
             one["peer"] = start("peer", model_dir, engine_opts, prompt, rest, args.peer)
         rounds.append(one)
         print(f"start {k + 1} of {known.starts} done", flush=True)
+        # What has run so far, should a later start not finish.
+        write_json(f"{args.name or 'smc_starts'}_partial", {"rounds": rounds}, args.out_dir)
     result = tables(rounds, args)
     for w, rows in result.items():
         print(f"\n{w.upper()} ({'GPU' if args.gpu else 'CPU'}; medians across "
