@@ -309,7 +309,7 @@ def test_waiters_of_a_closed_loop_are_failed_not_left_pending():
     loop.run_until_complete(asyncio.sleep(0.01))  # queued, waiting for its 0.5 s timer
     loop.close()  # closed without cancelling the task
     queue_futures = [
-        w for q in batcher._queues.values() for e in q.pending.values() for w in e.waiters
+        w for q in batcher._queues.values() for e in q.pending.values() for w in e[2:]
     ]
     assert queue_futures and not any(f.done() for f in queue_futures)
     assert float(asyncio.run(_gather(batcher, [2]))[0]) == 20.0  # a new loop works...
