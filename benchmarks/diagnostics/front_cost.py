@@ -9,16 +9,19 @@ Two passes per run:
     * ``total``: no timing hooks but one per batch (the engine) and the collector's
       callback: (step wall - engine - user step) / N, the mean over the steps (the
       collector's full passes are rare and long: a median over steps would hide them).
-      The figure of record; ``cpu``: the same from the loop thread's CPU time (what
-      other processes on the machine do not inflate; the engine thread's time is not in it,
+      The figure of record; ``cpu``: the loop thread's CPU time per particle-step (what
+      other processes on the machine do not inflate; the engine thread's work is not in it,
       nor the collector's passes that thread triggers).
-    * ``staged``: ``perf_counter_ns`` around each stage (each hook adds ~0.1-0.2 µs):
+    * ``staged``: ``perf_counter_ns`` around each stage (each hook adds ~0.1-0.2 µs), the
+      collector's passes inside a stage taken out of it:
         - ``request``: ``AsyncLM._request`` (closed check, ``PromptChecker.request``);
         - ``enqueue``: ``Batcher.enqueue`` (entry, future, dedup tables, triggers);
         - ``tasks``: the rest of the way from the step's start to the last enqueue:
           gather's tasks, their first steps, the coroutine of ``next_token_logprobs``;
         - ``hand_off``: last enqueue -> engine start, and engine end -> ``finish`` start
           (idle probe, thread hop), per batch, spread over N;
+        - ``plan``: with vLLM, ``evaluate``'s own time on the loop (the batch made into the
+          engine's input, handed to the engine thread);
         - ``hand_over``: ``LoopQueue.finish`` (each future's result);
         - ``wake``: ``finish`` end -> gather's result (every task resumed and done);
         - ``gc``: the collector's time inside the steps.
@@ -42,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `benchmarks`
 
 ns = time.perf_counter_ns
-STAGES = ("request", "enqueue", "tasks", "hand_off", "hand_over", "wake", "gc")
+STAGES = ("request", "enqueue", "tasks", "hand_off", "plan", "hand_over", "wake", "gc")
 
 
 class Hooks:
@@ -52,10 +55,11 @@ class Hooks:
         self.reset()
 
     def reset(self) -> None:
-        self.request_ns = self.enqueue_ns = self.gc_ns = 0
-        self.last_enqueue = self.finish_start = self.finish_end = 0
+        self.request_ns = self.enqueue_ns = self.gc_ns = self.plan_ns = 0
+        self.last_enqueue = self.finish_start = self.finish_end = self.first_evaluate = 0
         self.engine = []  # (start, end) of each batch's engine work
-        self.gc_start = 0
+        self.gc_start = self.gc_at_last_enqueue = 0
+        self.gc_at_finish_start = self.gc_at_finish_end = 0
 
     def on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -71,13 +75,20 @@ def install(lm: Any, hooks: Hooks, staged: bool, on_loop: bool) -> None:
     evaluate = batcher.__dict__.get("_plain_evaluate") or batcher.evaluate
     batcher._plain_evaluate = evaluate
 
-    if on_loop:  # the engine's work ends when its future is done: seen from ``finish``
+    if on_loop:  # hands the batch over and returns a future, done when the rows are back
         def timed_evaluate(keys):
-            hooks.engine.append([ns(), 0])
-            return evaluate(keys)
+            start = ns()
+            hooks.first_evaluate = hooks.first_evaluate or start
+            try:
+                return evaluate(keys)
+            finally:  # the engine's work ends when that future is done: seen from ``finish``
+                end = ns()
+                hooks.plan_ns += end - start
+                hooks.engine.append([end, 0])
     else:
         def timed_evaluate(keys):
             start = ns()
+            hooks.first_evaluate = hooks.first_evaluate or start
             try:
                 return evaluate(keys)
             finally:
@@ -93,16 +104,17 @@ def install(lm: Any, hooks: Hooks, staged: bool, on_loop: bool) -> None:
     plain_enqueue = batcher.enqueue
 
     def request(token_ids, lora_name):
-        start = ns()
+        start, gc_ns = ns(), hooks.gc_ns
         out = plain_request(token_ids, lora_name)
-        hooks.request_ns += ns() - start
+        hooks.request_ns += ns() - start - (hooks.gc_ns - gc_ns)
         return out
 
     def enqueue(key):
-        start = ns()
+        start, gc_ns = ns(), hooks.gc_ns
         out = plain_enqueue(key)
         end = hooks.last_enqueue = ns()
-        hooks.enqueue_ns += end - start
+        hooks.gc_at_last_enqueue = hooks.gc_ns
+        hooks.enqueue_ns += end - start - (hooks.gc_ns - gc_ns)
         return out
 
     lm._request = request
@@ -116,10 +128,12 @@ def hook_finish(lm: Any, hooks: Hooks, on_loop: bool) -> None:
 
     def finish(batch, results, error, seconds):
         start = hooks.finish_start = ns()
+        hooks.gc_at_finish_start = hooks.gc_ns
         if on_loop and hooks.engine and not hooks.engine[-1][1]:
             hooks.engine[-1][1] = start
         plain_finish(batch, results, error, seconds)
         hooks.finish_end = ns()
+        hooks.gc_at_finish_end = hooks.gc_ns
 
     queue.finish = finish
 
@@ -130,8 +144,7 @@ async def w1(lm: Any, prompt: list[int], n: int, steps: int, hooks: Hooks, stage
     contexts = [list(prompt) for _ in range(n)]
     vocab = lm.vocab_size
     await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))  # makes the queue
-    if staged:
-        hook_finish(lm, hooks, on_loop)
+    hook_finish(lm, hooks, on_loop)
     out = []
     for t in range(steps):
         hooks.reset()
@@ -145,19 +158,21 @@ async def w1(lm: Any, prompt: list[int], n: int, steps: int, hooks: Hooks, stage
                     for i, c in enumerate(contexts)]
         user = ns() - user
         engine = sum(e - s for s, e in hooks.engine)
-        step = {"total": end - start - engine, "cpu": cpu - (engine if on_loop else 0),
-                "user": user, "gc": hooks.gc_ns}
+        step = {"total": end - start - engine, "cpu": cpu, "user": user, "gc": hooks.gc_ns}
         if staged:
-            hand_off = (hooks.engine[0][0] - hooks.last_enqueue) + (
+            hand_off = (hooks.first_evaluate - hooks.last_enqueue) + (
                 hooks.finish_start - hooks.engine[-1][1]
             )
             step.update(
                 request=hooks.request_ns,
                 enqueue=hooks.enqueue_ns,
-                tasks=hooks.last_enqueue - start - hooks.request_ns - hooks.enqueue_ns,
+                tasks=hooks.last_enqueue - start - hooks.gc_at_last_enqueue - hooks.request_ns
+                - hooks.enqueue_ns,
                 hand_off=hand_off,
-                hand_over=hooks.finish_end - hooks.finish_start,
-                wake=end - hooks.finish_end,
+                hand_over=hooks.finish_end - hooks.finish_start
+                - (hooks.gc_at_finish_end - hooks.gc_at_finish_start),
+                plan=hooks.plan_ns,
+                wake=end - hooks.finish_end - (hooks.gc_ns - hooks.gc_at_finish_end),
             )
         out.append(step)
     return out
