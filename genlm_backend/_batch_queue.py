@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -87,6 +88,8 @@ def call_when_idle(
 # while it waits is one more for the garbage collector to scan and promote.
 _Entry = list
 _WAITERS = 2  # where the futures start in an entry
+_queued_at, _first_waiter = operator.itemgetter(0), operator.itemgetter(_WAITERS)
+_is_done = operator.methodcaller("done")
 
 
 class LoopQueue:
@@ -211,26 +214,25 @@ class LoopQueue:
         if self.is_busy or not self.pending:
             return
         batcher = self.batcher
-        if len(self.pending) <= batcher.max_batch_size:
-            taken, self.pending = self.pending.values(), {}
+        taken = self.pending
+        if len(taken) <= batcher.max_batch_size:  # all of it (the usual case)
+            self.pending = {}
         else:
-            taken = [self.pending.pop(k) for k in list(self.pending)[: batcher.max_batch_size]]
-        batch, keys = [], []
-        now, wait = time.perf_counter(), 0.0
-        running = self.running
-        for entry in taken:
-            if entry[_WAITERS].done() and (
-                len(entry) == _WAITERS + 1 or all(f.done() for f in entry[_WAITERS:])
-            ):
-                continue  # every awaiter cancelled (``Batcher.enqueue`` forgets lazily)
-            queued_at, key = entry[0], entry[1]
-            batch.append(entry)
-            keys.append(key)
-            running[key] = entry
-            wait += now - queued_at
+            taken = {k: taken.pop(k) for k in list(taken)[: batcher.max_batch_size]}
+        # ``taken`` becomes the running table as it is (``running`` is empty between batches),
+        # and the batch's lists come from it in C: no per-request Python here.
+        batch = list(taken.values())
+        if any(map(_is_done, map(_first_waiter, batch))):  # some awaiters cancelled
+            for key, entry in list(taken.items()):
+                if all(f.done() for f in entry[_WAITERS:]):  # ``Batcher.enqueue`` forgets lazily
+                    del taken[key]
+            batch = list(taken.values())
         if not batch:
             self.schedule()
             return
+        keys = list(taken)
+        self.running = taken
+        wait = time.perf_counter() * len(batch) - sum(map(_queued_at, batch))
         stats = batcher.stats
         stats.queue_wait_s += wait
         self.is_busy = True
