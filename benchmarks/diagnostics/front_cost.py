@@ -28,7 +28,8 @@ Two passes per run:
     ``cprofile`` (``--profile``) prints the top functions of one N instead.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/diagnostics/front_cost.py \
-        [--backend mock|vllm] [--particles 64 256 1024] [--steps 32] [--runs 5]
+        [--backend mock|vllm] [--particles 64 256 1024] [--steps 32] [--runs 5] \
+        [--gc-freeze] [--profile]
 """
 
 from __future__ import annotations
@@ -192,6 +193,9 @@ def make_model(backend: str, n_max: int) -> tuple[Any, list[int], bool]:
 
 def run(args: argparse.Namespace) -> dict[int, dict[str, dict[str, float]]]:
     lm, prompt, on_loop = make_model(args.backend, max(args.particles))
+    if args.gc_freeze:  # this process's choice: what a program may do once its model is built
+        gc.collect()
+        gc.freeze()
     hooks = Hooks()
     gc.callbacks.append(hooks.on_gc)
     per_run: dict[int, dict[str, list[float]]] = {n: {} for n in args.particles}
@@ -238,6 +242,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--gc-freeze", action="store_true",
+        help="gc.freeze() once the model is built: the collector's full passes then skip "
+        "every object made before (the libraries' own)",
+    )
     parser.add_argument("--profile-top", type=int, default=30)
     args = parser.parse_args()
     if args.profile:
@@ -245,7 +254,8 @@ def main() -> None:
         return
     figures = run(args)
     cols = ("total", "cpu", "gc") + STAGES[:-1] + ("gc_staged",)
-    print(f"backend={args.backend} steps={args.steps} runs={args.runs}; "
+    print(f"backend={args.backend} steps={args.steps} runs={args.runs} "
+          f"gc_freeze={args.gc_freeze}; "
           "µs per particle-step (mean over steps), median [min-max] over runs")
     for n, figs in figures.items():
         cells = [f"{k}={figs[k]['median']:.2f}[{figs[k]['min']:.2f}-{figs[k]['max']:.2f}]"
