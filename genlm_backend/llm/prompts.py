@@ -163,8 +163,7 @@ class PromptChecker:
         self, token_ids: Any, last: int, lora_name: str | None
     ) -> LogprobsRequest | None:
         """The request of ``token_ids`` built on the remembered request of all but its last
-        id, or None when there is none. (``_parent`` and ``_remember``, inlined: this runs
-        once per particle and step.)"""
+        id, or None when there is none."""
         try:
             ids = tuple(token_ids)
             ids_hash = hash(ids)
@@ -173,35 +172,16 @@ class PromptChecker:
                 prefix_hash = hash(ids[:-1])
         except TypeError:  # an unhashable id: the full check says what is wrong
             return None
-        new, old, older = self._new, self._old, self._older
-        parent_key = prefix_hash if lora_name is None else hash((prefix_hash, lora_name))
-        parent = new.get(parent_key)
+        parent = self._parent(_key(prefix_hash, lora_name), lora_name)
         if parent is None:
-            parent = old.get(parent_key)
-            if parent is None:
-                parent = older.get(parent_key)
-        elif len(new) >= self.min_remember and len(new) >= len(old):
-            older, old, new = old, new, {}  # a sampler's next step began
-            self._older, self._old, self._new = older, old, new
-        if parent is None or parent.lora_name != lora_name:
             return None
         # The ids equal to the caller's, in the parent's checked form (plain ints).
         checked = parent.token_ids + (last,)
         if checked != ids:
             return None
         parent.parent = None  # planned long ago: no chains of requests kept alive
-        key = ids_hash if lora_name is None else hash((ids_hash, lora_name))
-        request = new.get(key)
-        if request is None:
-            request = old.get(key)
-            if request is None:
-                request = older.get(key)
-        if request is None or request.token_ids != checked or request.lora_name != lora_name:
-            request = LogprobsRequest(checked, lora_name, parent, key=key)
-        new[key] = request
-        if len(new) >= self.remember:
-            self._older, self._old, self._new = old, new, {}
-        return request
+        key = _key(ids_hash, lora_name)
+        return self._remember(LogprobsRequest(checked, lora_name, parent, key=key))
 
     def _parent(self, key: int, lora_name: str | None) -> LogprobsRequest | None:
         """The remembered request of hash ``key`` (under ``lora_name``), or None; starts a
