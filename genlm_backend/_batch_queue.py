@@ -142,7 +142,7 @@ class LoopQueue:
         for table in (self.pending, self.running):
             entry = table.get(key)
             if entry is not None and fut in entry[_WAITERS:]:
-                entry.remove(fut)
+                del entry[entry.index(fut, _WAITERS)]  # (a key never compared with a future)
                 if len(entry) == _WAITERS and table is self.pending:
                     del table[key]
                 return
