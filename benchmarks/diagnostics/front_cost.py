@@ -61,6 +61,7 @@ class Hooks:
         self.engine = []  # (start, end) of each batch's engine work
         self.gc_start = self.gc_at_last_enqueue = 0
         self.gc_at_finish_start = self.gc_at_finish_end = 0
+        self.gc_at_first_evaluate = self.gc_at_engine_end = 0
 
     def on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -79,21 +80,25 @@ def install(lm: Any, hooks: Hooks, staged: bool, on_loop: bool) -> None:
     if on_loop:  # hands the batch over and returns a future, done when the rows are back
         def timed_evaluate(keys):
             start = ns()
-            hooks.first_evaluate = hooks.first_evaluate or start
+            if not hooks.first_evaluate:
+                hooks.first_evaluate, hooks.gc_at_first_evaluate = start, hooks.gc_ns
             try:
                 return evaluate(keys)
             finally:  # the engine's work ends when that future is done: seen from ``finish``
                 end = ns()
                 hooks.plan_ns += end - start
                 hooks.engine.append([end, 0])
+                hooks.gc_at_engine_end = hooks.gc_ns
     else:
         def timed_evaluate(keys):
             start = ns()
-            hooks.first_evaluate = hooks.first_evaluate or start
+            if not hooks.first_evaluate:
+                hooks.first_evaluate, hooks.gc_at_first_evaluate = start, hooks.gc_ns
             try:
                 return evaluate(keys)
             finally:
                 hooks.engine.append([start, ns()])
+                hooks.gc_at_engine_end = hooks.gc_ns
 
     batcher.evaluate = timed_evaluate
     for name in ("_request", "enqueue"):
@@ -161,8 +166,11 @@ async def w1(lm: Any, prompt: list[int], n: int, steps: int, hooks: Hooks, stage
         engine = sum(e - s for s, e in hooks.engine)
         step = {"total": end - start - engine, "cpu": cpu, "user": user, "gc": hooks.gc_ns}
         if staged:
-            hand_off = (hooks.first_evaluate - hooks.last_enqueue) + (
-                hooks.finish_start - hooks.engine[-1][1]
+            hand_off = (
+                hooks.first_evaluate - hooks.last_enqueue
+                - (hooks.gc_at_first_evaluate - hooks.gc_at_last_enqueue)
+                + hooks.finish_start - hooks.engine[-1][1]
+                - (hooks.gc_at_finish_start - hooks.gc_at_engine_end)
             )
             step.update(
                 request=hooks.request_ns,
