@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -82,15 +83,13 @@ def call_when_idle(
     _WAKE_PROBES.add(probe.handle)
 
 
-class _Entry:
-    """One distinct key and the futures of everyone who awaits it."""
-
-    __slots__ = ("key", "queued_at", "waiters")
-
-    def __init__(self, key: Any, queued_at: float, waiters: list[asyncio.Future]):
-        self.key = key
-        self.queued_at = queued_at
-        self.waiters = waiters
+# One distinct key and the futures of everyone who awaits it: ``[queued_at, key, future,
+# *more_futures]``. A plain list, one object per request: every object a request keeps alive
+# while it waits is one more for the garbage collector to scan and promote.
+_Entry = list
+_WAITERS = 2  # where the futures start in an entry
+_queued_at, _first_waiter = operator.itemgetter(0), operator.itemgetter(_WAITERS)
+_is_done = operator.methodcaller("done")
 
 
 class LoopQueue:
@@ -115,18 +114,20 @@ class LoopQueue:
         stats = self.batcher.stats
         stats.num_requests += 1
         self.num_added += 1
-        entry = self.running.get(key)
-        if entry is not None:
-            entry.waiters.append(fut)
-            stats.num_joined += 1
-            return fut
-        entry = self.pending.get(key)
-        if entry is not None:
-            entry.waiters.append(fut)
+        running = self.running
+        if running:  # (empty while a lockstep sampler queues: no lookup, no hash call)
+            entry = running.get(key)
+            if entry is not None:
+                entry.append(fut)
+                stats.num_joined += 1
+                return fut
+        pending = self.pending
+        entry = [time.perf_counter(), key, fut]
+        known = pending.setdefault(key, entry)
+        if known is not entry:
+            known.append(fut)
             stats.num_deduplicated += 1
             return fut
-        pending = self.pending
-        pending[key] = _Entry(key, time.perf_counter(), [fut])
         # A batch is already due (timer and idle probe set) unless this one fills it.
         if (
             self.timer is None
@@ -140,9 +141,9 @@ class LoopQueue:
         """Drops one cancelled waiter; a pending key nobody awaits any more is dropped."""
         for table in (self.pending, self.running):
             entry = table.get(key)
-            if entry is not None and fut in entry.waiters:
-                entry.waiters.remove(fut)
-                if not entry.waiters and table is self.pending:
+            if entry is not None and fut in entry[_WAITERS:]:
+                del entry[entry.index(fut, _WAITERS)]  # (a key never compared with a future)
+                if len(entry) == _WAITERS and table is self.pending:
                     del table[key]
                 return
 
@@ -150,13 +151,13 @@ class LoopQueue:
         entries, self.pending = list(self.pending.values()), {}
         self.cancel_triggers()
         for entry in entries:
-            fail_all(entry.waiters, error_factory)
+            fail_all(entry[_WAITERS:], error_factory)
 
     def fail_everything(self, error_factory: Callable[[], BaseException]) -> None:
         running, self.running = list(self.running.values()), {}
         self.drop_pending(error_factory)
         for entry in running:
-            fail_all(entry.waiters, error_factory)
+            fail_all(entry[_WAITERS:], error_factory)
 
     # ---- deciding when to run -------------------------------------------------------
 
@@ -169,7 +170,7 @@ class LoopQueue:
                 self.start_soon = self.loop.call_soon(self.start)
             return
         if self.timer is None:
-            first = min(e.queued_at for e in self.pending.values())
+            first = min(entry[0] for entry in self.pending.values())
             delay = max(0.0, first + batcher.timeout - time.perf_counter())
             self.timer = self.loop.call_later(delay, self.start)
         if batcher.flush == "idle" and self.idle_probe is None:
@@ -213,24 +214,25 @@ class LoopQueue:
         if self.is_busy or not self.pending:
             return
         batcher = self.batcher
-        if len(self.pending) <= batcher.max_batch_size:
-            taken, self.pending = self.pending.values(), {}
+        taken = self.pending
+        if len(taken) <= batcher.max_batch_size:  # all of it (the usual case)
+            self.pending = {}
         else:
-            taken = [self.pending.pop(k) for k in list(self.pending)[: batcher.max_batch_size]]
-        batch, keys = [], []
-        now, wait = time.perf_counter(), 0.0
-        running = self.running
-        for entry in taken:
-            waiters = entry.waiters
-            if waiters[0].done() and (len(waiters) == 1 or all(f.done() for f in waiters)):
-                continue  # every awaiter cancelled (``Batcher.enqueue`` forgets lazily)
-            batch.append(entry)
-            keys.append(entry.key)
-            running[entry.key] = entry
-            wait += now - entry.queued_at
+            taken = {k: taken.pop(k) for k in list(taken)[: batcher.max_batch_size]}
+        # ``taken`` becomes the running table as it is (``running`` is empty between batches),
+        # and the batch's lists come from it in C: no per-request Python here.
+        batch = list(taken.values())
+        if any(map(_is_done, map(_first_waiter, batch))):  # some awaiters cancelled
+            for key, entry in list(taken.items()):
+                if all(f.done() for f in entry[_WAITERS:]):  # ``Batcher.enqueue`` forgets lazily
+                    del taken[key]
+            batch = list(taken.values())
         if not batch:
             self.schedule()
             return
+        keys = list(taken)
+        self.running = taken
+        wait = time.perf_counter() * len(batch) - sum(map(_queued_at, batch))
         stats = batcher.stats
         stats.queue_wait_s += wait
         self.is_busy = True
@@ -296,6 +298,8 @@ class LoopQueue:
         result that cannot be delivered fails the waiters it did not reach."""
         stats = self.batcher.stats
         stats.evaluate_s += seconds
+        # One batch runs at a time: what is running is this batch (or nothing, once failed).
+        self.running = {}
         try:
             if error is None:
                 error = check_results(results, len(batch))
@@ -306,11 +310,8 @@ class LoopQueue:
                     error = exc
             if error is not None:
                 stats.num_failed_batches += 1
-                running = self.running
                 for entry in batch:
-                    if running.get(entry.key) is entry:
-                        del running[entry.key]
-                    fail_all(entry.waiters, functools.partial(batch_error, error, len(batch)))
+                    fail_all(entry[_WAITERS:], functools.partial(batch_error, error, len(batch)))
         finally:
             self.is_busy = False
             if not self.loop.is_closed():
@@ -318,21 +319,16 @@ class LoopQueue:
 
     def _deliver(self, batch: list[_Entry], results: Sequence[Any]) -> None:
         copy_result = self.batcher.copy_result
-        running = self.running
         for entry, result in zip(batch, results):
-            key = entry.key
-            if running.get(key) is entry:
-                del running[key]
-            waiters = entry.waiters
-            if len(waiters) == 1 and not isinstance(result, BaseException):  # the usual case
-                fut = waiters[0]
+            if len(entry) == _WAITERS + 1 and not isinstance(result, BaseException):  # usual
+                fut = entry[_WAITERS]
                 if not fut.done():
                     try:
                         fut.set_result(result)
                     except RuntimeError:  # its loop is closed: the future is done all the same
                         pass
             else:
-                resolve_all(waiters, result, copy_result)
+                resolve_all(entry[_WAITERS:], result, copy_result)
 
 
 def _timed_sync(evaluate: Callable, keys: list) -> tuple[Sequence[Any], float]:

@@ -220,6 +220,28 @@ async def test_cancelling_one_awaiter_leaves_the_others_alone():
     batcher.close()
 
 
+class EqualsAnything:
+    """A key equal to every object (as some test doubles are), with a fixed hash."""
+
+    def __hash__(self):
+        return 7
+
+    def __eq__(self, other):
+        return True
+
+
+async def test_cancelling_one_awaiter_of_a_key_equal_to_anything_leaves_the_other_alone():
+    batcher = Batcher(lambda keys: ["row"] * len(keys), timeout=0.05, flush="timer")
+    key = EqualsAnything()
+    keep = asyncio.ensure_future(batcher.submit(key))
+    drop = asyncio.ensure_future(batcher.submit(key))
+    await asyncio.sleep(0)
+    drop.cancel()
+    assert await asyncio.wait_for(keep, 5) == "row"
+    assert drop.cancelled()
+    batcher.close()
+
+
 async def test_a_cancelled_enqueued_key_is_dropped_before_it_runs():
     rec = Recorder()
     batcher = Batcher(rec, timeout=0.05, flush="timer")
@@ -309,7 +331,7 @@ def test_waiters_of_a_closed_loop_are_failed_not_left_pending():
     loop.run_until_complete(asyncio.sleep(0.01))  # queued, waiting for its 0.5 s timer
     loop.close()  # closed without cancelling the task
     queue_futures = [
-        w for q in batcher._queues.values() for e in q.pending.values() for w in e.waiters
+        w for q in batcher._queues.values() for e in q.pending.values() for w in e[2:]
     ]
     assert queue_futures and not any(f.done() for f in queue_futures)
     assert float(asyncio.run(_gather(batcher, [2]))[0]) == 20.0  # a new loop works...
