@@ -290,9 +290,10 @@ def test_what_the_route_relies_on_is_where_it_was_in_this_vllm():
     assert model_runner.GPUModelRunner.__module__ == "vllm.v1.worker.gpu.model_runner"
 
 
-@on_v2
 def test_rows_are_exact_with_async_scheduling_on(tiny_model_dirs, hf_reference):
-    """vLLM's own default: sessions park between batches instead of being held."""
+    """With vLLM's async scheduling on, a parked session's next chunk never gave its row (seen
+    on an H200 with vLLM 0.26, on both runners): sessions are off there, every request is a
+    plain one, and the Model Runner V2 route is not taken."""
     from genlm_backend.llm.vllm import AsyncVirtualLM
 
     opts = {key: value for key, value in ENGINE_OPTS.items() if "lora" not in key}
@@ -300,10 +301,13 @@ def test_rows_are_exact_with_async_scheduling_on(tiny_model_dirs, hf_reference):
         str(tiny_model_dirs["base"]), engine_opts={**opts, "async_scheduling": True}
     )
     try:
-        assert lm.stats()["engine"]["model_runner"] == "v2"
+        assert lm.stats()["engine"]["model_runner"] == "v1"
         asyncio.run(lockstep(lm, hf_reference, prompts_of([6] * 5, seed=6), 6, resample_every=2))
-        rows = lm.batch_next_token_logprobs_sync(prompts_of([300, 4, 50], seed=7))
-        for prompt, row in zip(prompts_of([300, 4, 50], seed=7), rows):
+        prompts = prompts_of([300, 4, 50], seed=7)
+        for prompt, row in zip(prompts, lm.batch_next_token_logprobs_sync(prompts)):
             assert_matches(row, hf_reference("base", prompt))
+        config = lm.llm.llm_engine.vllm_config.scheduler_config
+        if config.async_scheduling:  # (a CPU engine turns it off: sessions are held there)
+            assert lm.stats()["sessions"]["num_opened"] == 0
     finally:
         lm.cleanup()

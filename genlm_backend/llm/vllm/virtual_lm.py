@@ -28,7 +28,7 @@ DEFAULT_ENGINE_OPTS = {
     "disable_log_stats": True,
     "gpu_memory_utilization": 0.9,
     # Lockstep samplers extend sessions one token at a time; with async scheduling vLLM
-    # sees each chunk's end one engine step late, and sessions park instead of being held.
+    # sees each chunk's end one engine step late, and sessions are off.
     "async_scheduling": False,
 }
 # The most sampling requests sent to the engine in one call (where ``batch_size`` is lower).
@@ -70,7 +70,7 @@ class AsyncVirtualLM(AsyncLM):
             other processes
             (``tensor_parallel_size > 1``, ``distributed_executor_backend="mp"``): rows then
             come through memory both processes map, on the worker's device, and sessions
-            are held as in one process (parked instead under async scheduling).
+            are held as in one process (off under async scheduling).
             With speculative decoding vLLM takes no logits processor: pass
             ``can_capture=False`` and start the engine with ``max_logprobs=-1``; rows are
             then vLLM's own list of every token's log-probability, on the CPU, without

@@ -203,7 +203,11 @@ class VLLMEngine:
         capacity = self._session_slots
         if sessions is not True:
             capacity = min(int(sessions), capacity)
-        usable = self._can_capture and internals.supports_sessions(self.llm.llm_engine)
+        engine = self.llm.llm_engine
+        # Under async scheduling a parked session's next chunk never gave its row (CUDA,
+        # vLLM 0.26): every request is a plain one there.
+        usable = (self._can_capture and internals.supports_sessions(engine)
+                  and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False))
         capacity = max(capacity, 0) if usable else 0
         self.thread.submit(self._sessions.resize, capacity).result()
 

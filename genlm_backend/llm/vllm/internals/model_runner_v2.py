@@ -64,6 +64,8 @@ def runner_v2_refusal(opts: dict) -> str | None:
     for key in ("speculative_config", "logits_processors", "enable_lora"):
         if opts.get(key):
             return key
+    if opts.get("async_scheduling"):
+        return "async scheduling"
     if opts.get("worker_cls", "auto") != "auto":
         return "the caller's worker_cls"
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
