@@ -220,9 +220,11 @@ class AsyncVirtualLM(AsyncLM):
         sequence finishes, not when the whole batch does. Same seed, same result.
 
         Args:
-            prompt_token_ids, max_tokens, eos_token_ids, temperature, seed: as in
-                :meth:`AsyncLM.sample` (a seed is an int in ``[0, 2**63 - 1]``); temperature
-                0 is greedy.
+            prompt_token_ids: the prompt, as in :meth:`AsyncLM.sample`.
+            max_tokens: the most tokens to sample.
+            eos_token_ids: ids that end the sequence (not returned).
+            temperature: 0 is greedy.
+            seed: an int in ``[0, 2**63 - 1]``, or None.
             lora_name: the adapter for this call (None: the active one).
             **options: ``top_p``, ``top_k``, ``min_p``, ``stop_token_ids`` (more ids that
                 end the sequence, not returned), ``repetition_penalty``,
