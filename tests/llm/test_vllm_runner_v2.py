@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import types
+import typing
 
 import numpy as np
 import pytest
@@ -311,3 +312,59 @@ def test_rows_are_exact_with_async_scheduling_on(tiny_model_dirs, hf_reference):
             assert lm.stats()["sessions"]["num_opened"] == 0
     finally:
         lm.cleanup()
+
+
+class FakeLLM:
+    """``vllm.LLM`` as ``startup.start_engine`` sees it: records each build's options and the
+    runner choice the environment asked for."""
+
+    builds: typing.ClassVar[list[dict]] = []
+
+    def __init__(self, model, **opts):
+        import os
+
+        self.llm_engine = types.SimpleNamespace(name=f"engine {len(FakeLLM.builds)}")
+        FakeLLM.builds.append({**opts, "env_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")})
+
+
+@pytest.fixture
+def fake_builds(monkeypatch):
+    import vllm
+
+    from genlm_backend.llm.vllm import internals
+
+    FakeLLM.builds = []
+    shut = []
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(internals, "runner_v2_refusal", lambda opts: None)
+    monkeypatch.setattr(internals, "shutdown", lambda llm: shut.append(llm.llm_engine.name))
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    return shut
+
+
+def test_an_engine_on_model_runner_v2_is_built_once_with_the_capture_worker(
+    fake_builds, monkeypatch
+):
+    from genlm_backend.llm.vllm import internals, startup
+
+    monkeypatch.setattr(internals, "row_sampler", lambda engine: object())
+    startup.start_engine("a/model", {}, {"kv_cache_memory_bytes": 1 << 20}, can_capture=True)
+    (build,) = FakeLLM.builds
+    assert build["worker_cls"] == internals.CAPTURE_WORKER
+    assert not build.get("logits_processors") and build["env_runner"] is None
+    assert fake_builds == []
+
+
+def test_an_engine_vllm_put_on_its_v1_runner_is_started_again_with_the_capture_processor(
+    fake_builds, monkeypatch
+):
+    from genlm_backend.llm.vllm import internals, startup
+    from genlm_backend.llm.vllm.capture import LogprobsCaptureProcessor
+
+    monkeypatch.setattr(internals, "row_sampler", lambda engine: None)  # vLLM chose V1
+    startup.start_engine("a/model", {}, {"kv_cache_memory_bytes": 1 << 20}, can_capture=True)
+    first, second = FakeLLM.builds
+    assert first["worker_cls"] == internals.CAPTURE_WORKER
+    assert fake_builds == ["engine 0"]  # the first engine is shut down before the second starts
+    assert "worker_cls" not in second and second["env_runner"] == "0"
+    assert second["logits_processors"] == [LogprobsCaptureProcessor]
