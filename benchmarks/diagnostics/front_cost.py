@@ -71,34 +71,25 @@ class Hooks:
             self.gc_start = 0
 
 
-def install(lm: Any, hooks: Hooks, staged: bool, on_loop: bool) -> None:
+def install(lm: Any, hooks: Hooks, staged: bool) -> None:
     """Wraps the model's stages (instance attributes shadow the methods)."""
     batcher = lm._logprobs_batcher
     evaluate = batcher.__dict__.get("_plain_evaluate") or batcher.evaluate
     batcher._plain_evaluate = evaluate
 
-    if on_loop:  # hands the batch over and returns a future, done when the rows are back
-        def timed_evaluate(keys):
-            start = ns()
-            if not hooks.first_evaluate:
-                hooks.first_evaluate, hooks.gc_at_first_evaluate = start, hooks.gc_ns
-            try:
-                return evaluate(keys)
-            finally:  # the engine's work ends when that future is done: seen from ``finish``
-                end = ns()
-                hooks.plan_ns += end - start
-                hooks.engine.append([end, 0])
-                hooks.gc_at_engine_end = hooks.gc_ns
-    else:
-        def timed_evaluate(keys):
-            start = ns()
-            if not hooks.first_evaluate:
-                hooks.first_evaluate, hooks.gc_at_first_evaluate = start, hooks.gc_ns
-            try:
-                return evaluate(keys)
-            finally:
-                hooks.engine.append([start, ns()])
-                hooks.gc_at_engine_end = hooks.gc_ns
+    # Every engine's evaluate runs on the loop and hands the batch over, returning a future
+    # that is done when the rows are back (seen from ``finish``).
+    def timed_evaluate(keys):
+        start = ns()
+        if not hooks.first_evaluate:
+            hooks.first_evaluate, hooks.gc_at_first_evaluate = start, hooks.gc_ns
+        try:
+            return evaluate(keys)
+        finally:
+            end = ns()
+            hooks.plan_ns += end - start
+            hooks.engine.append([end, 0])
+            hooks.gc_at_engine_end = hooks.gc_ns
 
     batcher.evaluate = timed_evaluate
     for name in ("_request", "enqueue"):
@@ -127,7 +118,7 @@ def install(lm: Any, hooks: Hooks, staged: bool, on_loop: bool) -> None:
     batcher.enqueue = enqueue
 
 
-def hook_finish(lm: Any, hooks: Hooks, on_loop: bool) -> None:
+def hook_finish(lm: Any, hooks: Hooks) -> None:
     loop = asyncio.get_running_loop()
     queue = lm._logprobs_batcher._queues[loop]
     plain_finish = type(queue).finish.__get__(queue)
@@ -135,7 +126,7 @@ def hook_finish(lm: Any, hooks: Hooks, on_loop: bool) -> None:
     def finish(batch, results, error, seconds):
         start = hooks.finish_start = ns()
         hooks.gc_at_finish_start = hooks.gc_ns
-        if on_loop and hooks.engine and not hooks.engine[-1][1]:
+        if hooks.engine and not hooks.engine[-1][1]:
             hooks.engine[-1][1] = start
         plain_finish(batch, results, error, seconds)
         hooks.finish_end = ns()
@@ -144,13 +135,13 @@ def hook_finish(lm: Any, hooks: Hooks, on_loop: bool) -> None:
     queue.finish = finish
 
 
-async def w1(lm: Any, prompt: list[int], n: int, steps: int, hooks: Hooks, staged: bool,
-             on_loop: bool) -> list[dict[str, float]]:
+async def w1(lm: Any, prompt: list[int], n: int, steps: int, hooks: Hooks,
+             staged: bool) -> list[dict[str, float]]:
     """The W1 loop; per step, the stages' nanoseconds."""
     contexts = [list(prompt) for _ in range(n)]
     vocab = lm.vocab_size
     await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))  # makes the queue
-    hook_finish(lm, hooks, on_loop)
+    hook_finish(lm, hooks)
     out = []
     for t in range(steps):
         hooks.reset()
@@ -187,20 +178,20 @@ async def w1(lm: Any, prompt: list[int], n: int, steps: int, hooks: Hooks, stage
     return out
 
 
-def make_model(backend: str, n_max: int) -> tuple[Any, list[int], bool]:
+def make_model(backend: str, n_max: int) -> tuple[Any, list[int]]:
     if backend == "mock":
         from genlm_backend.llm.mock import MockAsyncLM
 
         lm = MockAsyncLM(None, vocab_size=256, batch_size=max(n_max, 20))
-        return lm, list(range(1, 129)), False
+        return lm, list(range(1, 129))
     from benchmarks.diagnostics._w1 import parse, start
 
     lm, prompt = start(parse(["--micro"]))
-    return lm, list(prompt), True
+    return lm, list(prompt)
 
 
 def run(args: argparse.Namespace) -> dict[int, dict[str, dict[str, float]]]:
-    lm, prompt, on_loop = make_model(args.backend, max(args.particles))
+    lm, prompt = make_model(args.backend, max(args.particles))
     if args.gc_freeze:  # this process's choice: what a program may do once its model is built
         gc.collect()
         gc.freeze()
@@ -211,8 +202,8 @@ def run(args: argparse.Namespace) -> dict[int, dict[str, dict[str, float]]]:
         for _ in range(args.runs):
             for n in args.particles:
                 for staged in (False, True):
-                    install(lm, hooks, staged, on_loop)
-                    steps = asyncio.run(w1(lm, prompt, n, args.steps, hooks, staged, on_loop))
+                    install(lm, hooks, staged)
+                    steps = asyncio.run(w1(lm, prompt, n, args.steps, hooks, staged))
                     steps = steps[2:]  # warm-up steps
                     keys = ("total", "cpu", "user", "gc") if not staged else STAGES
                     for key in keys:  # the mean over steps: what the wall time sees
@@ -230,14 +221,14 @@ def profile(args: argparse.Namespace) -> None:
     import cProfile
     import pstats
 
-    lm, prompt, on_loop = make_model(args.backend, max(args.particles))
+    lm, prompt = make_model(args.backend, max(args.particles))
     hooks = Hooks()
-    install(lm, hooks, False, on_loop)
+    install(lm, hooks, False)
     n = args.particles[0]
-    asyncio.run(w1(lm, prompt, n, 3, hooks, False, on_loop))
+    asyncio.run(w1(lm, prompt, n, 3, hooks, False))
     prof = cProfile.Profile()
     prof.enable()
-    asyncio.run(w1(lm, prompt, n, args.steps, hooks, False, on_loop))
+    asyncio.run(w1(lm, prompt, n, args.steps, hooks, False))
     prof.disable()
     lm.cleanup()
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile_top)
