@@ -17,7 +17,6 @@ Every other flag is ``bench_smc_vllm.py``'s.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -26,21 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for `benchmarks`
 
 from benchmarks import bench_smc_vllm as bench
-from benchmarks.common import print_table, run_child, write_json
+from benchmarks.common import print_table, write_json
 from benchmarks.models import workload
-
-
-def start(role: str, model_dir: Path, opts: dict, prompt: list[int], argv: list[str],
-          path: str | None = None) -> dict[str, Any]:
-    """One engine start of ``role`` ("floor", "ours" or "peer") in a child process."""
-    setup = {"role": role, "model": str(model_dir), "opts": opts, "prompt": prompt,
-             "argv": argv}
-    env = dict(os.environ)
-    if role == "floor":  # its engine core in that process, as ours is in its own
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-    return run_child(bench.__file__, setup, env, f"the {role}'s process")
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -82,10 +68,11 @@ def main() -> dict:
     model_dir, engine_opts, prompt = workload(args)
     rounds = []
     for k in range(known.starts):
-        one = {"floor": start("floor", model_dir, engine_opts, prompt, rest),
-               "ours": start("ours", model_dir, engine_opts, prompt, rest)}
+        one = {"floor": bench.child_result("floor", model_dir, engine_opts, prompt, rest),
+               "ours": bench.child_result("ours", model_dir, engine_opts, prompt, rest)}
         if args.peer:
-            one["peer"] = start("peer", model_dir, engine_opts, prompt, rest, args.peer)
+            one["peer"] = bench.child_result("peer", model_dir, engine_opts, prompt, rest,
+                                              args.peer)
         rounds.append(one)
         print(f"start {k + 1} of {known.starts} done", flush=True)
         # What has run so far, should a later start not finish.

@@ -129,18 +129,24 @@ def time_backend(
             for n in args.particles}
 
 
-def time_floor(llm: Any, prompt: list[int], args: argparse.Namespace) -> dict[int, dict]:
-    """vLLM's own decode loop over the same forward passes on ``llm``."""
+def floor_call(llm: Any, prompt: list[int], n: int, steps: int) -> Any:
+    """vLLM's own decode loop as a call: ``llm.generate`` of ``n`` copies of ``prompt``,
+    ``steps`` tokens each (its arguments made here, outside any timing)."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(
-        max_tokens=args.steps, ignore_eos=True, temperature=1.0, detokenize=False
-    )
+    params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=1.0, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=prompt)] * n
+    return lambda: llm.generate(prompts, params, use_tqdm=False)
+
+
+def time_floor(llm: Any, prompt: list[int], args: argparse.Namespace) -> dict[int, dict]:
+    """vLLM's own decode loop over the same forward passes on ``llm``."""
+    calls = {n: floor_call(llm, prompt, n, args.steps) for n in args.particles}
     times: dict[int, list[float]] = {n: [] for n in args.particles}
     for repeat in range(args.repeats + 1):
         for n in args.particles:
             start = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+            calls[n]()
             if repeat:
                 times[n].append(time.perf_counter() - start)
     return {n: summarise(times[n]) for n in args.particles}
@@ -247,20 +253,22 @@ def in_child(
 ) -> dict:
     """Runs ``role`` ("floor" or "peer") alone in a child process (one engine with CUDA graphs
     a process); ``path`` goes first on its module path."""
-    setup = {
-        "role": role,
-        "model": str(model_dir),
-        "opts": engine_opts,
-        "prompt": prompt,
-        "argv": sys.argv[1:],
-    }
+    result = child_result(role, model_dir, engine_opts, prompt, sys.argv[1:], path)
+    return {w: {int(n): v for n, v in r.items()} for w, r in result.items()}
+
+
+def child_result(role: str, model_dir: Path, engine_opts: dict, prompt: list[int],
+                 argv: list[str], path: str | None = None) -> dict[str, Any]:
+    """What ``role`` ("floor", "ours" or "peer") reports from a child process of its own,
+    started with this script's flags ``argv`` (as JSON: N keys are strings)."""
+    setup = {"role": role, "model": str(model_dir), "opts": engine_opts, "prompt": prompt,
+             "argv": argv}
     env = dict(os.environ)
     if role == "floor":  # its engine core in that process, as ours is in this one
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if path:
         env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
-    result = run_child(__file__, setup, env, f"the {role}'s process")
-    return {w: {int(n): v for n, v in r.items()} for w, r in result.items()}
+    return run_child(__file__, setup, env, f"the {role}'s process")
 
 
 def device_busy(run: Any) -> dict[str, float] | None:
@@ -283,7 +291,7 @@ def serve(setup: str) -> None:
     setup = json.loads(setup)
     args = parse_args(setup["argv"])
     if setup["role"] == "floor":
-        from vllm import LLM, SamplingParams, TokensPrompt
+        from vllm import LLM
 
         llm = LLM(setup["model"], **setup["opts"])
         async_scheduling = bool(
@@ -294,10 +302,7 @@ def serve(setup: str) -> None:
             "async_scheduling": {0: async_scheduling},
         }
         n = max(args.particles)
-        params = SamplingParams(max_tokens=args.steps, ignore_eos=True, temperature=1.0,
-                                detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=setup["prompt"])] * n
-        out["device"] = {0: device_busy(lambda: llm.generate(prompts, params, use_tqdm=False))}
+        out["device"] = {0: device_busy(floor_call(llm, setup["prompt"], n, args.steps))}
     elif setup["role"] == "ours":
         report(run_ours(Path(setup["model"]), setup["opts"], setup["prompt"], args, device=True),
                default=str)
