@@ -81,9 +81,14 @@ class VLLMEngine:
         # vLLM needs room for the one token a log-probability request generates.
         self.max_prompt_len = int(self._model_config.max_model_len) - 1
         self.thread = EngineThread("genlm-AsyncVirtualLM", ENGINE_LOCK)
-        self._can_capture = can_capture
         engine = llm.llm_engine
-        self._session_slots = int(engine.vllm_config.scheduler_config.max_num_seqs)
+        scheduler_config = engine.vllm_config.scheduler_config
+        self._session_slots = int(scheduler_config.max_num_seqs)
+        async_scheduling = bool(getattr(scheduler_config, "async_scheduling", False))
+        # Under async scheduling a parked session's next chunk never gave its row (CUDA,
+        # vLLM 0.26): every request is a plain one there.
+        self._sessions_usable = (can_capture and internals.supports_sessions(engine)
+                                 and not async_scheduling)
         internals.install_chunk_max_tokens(engine)  # a resumed session is held again
         internals.install_parked_bypass(engine)  # parked sessions cost no scheduler time
         internals.install_cpu_generator_rewind(engine)  # seeded prompts split over steps
@@ -101,7 +106,7 @@ class VLLMEngine:
             can_capture
             and (discarded is not None or self._row_sampler is not None
                  or (remote_final and self._remote.early))
-            and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False)
+            and not async_scheduling
         )
         self._sink = capture.CaptureSink(
             discarded=discarded, remote_final=remote_final,
@@ -203,12 +208,7 @@ class VLLMEngine:
         capacity = self._session_slots
         if sessions is not True:
             capacity = min(int(sessions), capacity)
-        engine = self.llm.llm_engine
-        # Under async scheduling a parked session's next chunk never gave its row (CUDA,
-        # vLLM 0.26): every request is a plain one there.
-        usable = (self._can_capture and internals.supports_sessions(engine)
-                  and not getattr(engine.vllm_config.scheduler_config, "async_scheduling", False))
-        capacity = max(capacity, 0) if usable else 0
+        capacity = max(capacity, 0) if self._sessions_usable else 0
         self.thread.submit(self._sessions.resize, capacity).result()
 
     def close_sessions(self) -> int:
