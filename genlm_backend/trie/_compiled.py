@@ -21,6 +21,7 @@ core given (``benchmarks/README.md`` has a batch timed with one thread and two).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,8 @@ import torch
 from ._layout import TrieLayout
 from ._memory import empty_cpu
 
-try:
-    from . import _kernel as KERNEL
+try:  # (the module itself: ``from . import`` would name the package, which imports this one)
+    KERNEL = importlib.import_module("._kernel", __package__)
 except ImportError:  # built without a compiler, or not built: the torch path runs instead
     KERNEL = None
 
