@@ -73,7 +73,7 @@ sys.path.insert(0, str(REPO))  # the repo, for `benchmarks.common`
 
 from benchmarks.bench_smc_vllm import time_floor
 from benchmarks.common import print_table, report, run_child, summarise, write_json
-from benchmarks.models import workload
+from benchmarks.models import add_model_args, workload
 
 CONFIGS = ("floor", "ours", "peer")
 CONSUMER_DISTS = ("genlm-control", "genlm-grammar", "genlm-bytes", "arsenal")
@@ -431,15 +431,7 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA"
-    )
-    parser.add_argument(
-        "--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)"
-    )
-    parser.add_argument(
-        "--model-dir", default=None, help="where the random model is built (reused if present)"
-    )
+    add_model_args(parser)
     parser.add_argument(
         "--particles",
         type=int,

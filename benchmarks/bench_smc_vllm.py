@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for
 import torch
 
 from benchmarks.common import print_table, report, run_child, summarise, write_json
-from benchmarks.models import workload
+from benchmarks.models import add_model_args, workload
 
 WORKLOADS = ("w1", "w5")
 RESAMPLE_EVERY = 4
@@ -349,15 +349,7 @@ def table(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA"
-    )
-    parser.add_argument(
-        "--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)"
-    )
-    parser.add_argument(
-        "--model-dir", default=None, help="where the random model is built (reused if present)"
-    )
+    add_model_args(parser)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--particles", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--steps", type=int, default=None, help="T (default: 32 on GPU, 8 on CPU)")

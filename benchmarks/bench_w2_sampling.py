@@ -50,7 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from benchmarks.common import print_table, summarise, write_json
-from benchmarks.models import GPU_CONFIG, TINY_CONFIG, build_model, parse_opts
+from benchmarks.models import GPU_CONFIG, TINY_CONFIG, add_model_args, build_model, parse_opts
 
 TARGET_RATIO = 0.95
 VARIANTS = ("batch_sample", "sample")
@@ -236,15 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA"
-    )
-    parser.add_argument(
-        "--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)"
-    )
-    parser.add_argument(
-        "--model-dir", default=None, help="where the random model is built (reused if present)"
-    )
+    add_model_args(parser)
     parser.add_argument(
         "--prompts",
         type=int,

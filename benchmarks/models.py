@@ -95,6 +95,19 @@ def workload_model(gpu: bool, model_dir: str | None = None, tokenizer_dir: Path 
     )
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose a workload's model (read by :func:`workload`)."""
+    parser.add_argument(
+        "--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA"
+    )
+    parser.add_argument(
+        "--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)"
+    )
+    parser.add_argument(
+        "--model-dir", default=None, help="where the random model is built (reused if present)"
+    )
+
+
 def parse_opts(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` engine options; VALUE parsed as JSON when it can be."""
     opts = {}
