@@ -75,7 +75,7 @@ from benchmarks.bench_smc_vllm import time_floor
 from benchmarks.common import print_table, report, run_child, summarise, write_json
 from benchmarks.models import add_model_args, workload
 
-CONFIGS = ("floor", "ours", "peer")
+CONFIGS = ("floor", "ours", "process", "peer")
 CONSUMER_DISTS = ("genlm-control", "genlm-grammar", "genlm-bytes", "arsenal")
 
 
@@ -85,7 +85,7 @@ CONSUMER_DISTS = ("genlm-control", "genlm-grammar", "genlm-bytes", "arsenal")
 def load_consumer(role: str, site: str) -> None:
     """Makes genlm-control importable: its site last on the path (it must shadow nothing);
     for ours, ``genlm.backend`` served by this package first."""
-    if role == "ours":
+    if role in ("ours", "process"):
         import genlm_backend
 
         genlm_backend.install_genlm_alias()
@@ -96,6 +96,11 @@ def build(role: str, setup: dict) -> Any:
     """The genlm-control potential on this role's backend (the user's own constructor)."""
     from genlm.control import PromptedLLM
 
+    if role == "process":  # our engine in a process of its own
+        from genlm_backend.llm.vllm import start_engine_process
+
+        lm = start_engine_process(setup["model"], engine_opts=setup["opts"])
+        return PromptedLLM(lm, prompt_ids=setup["prompt"])
     return PromptedLLM.from_name(setup["model"], backend="vllm", engine_opts=setup["opts"],
                                  prompt_ids=setup["prompt"])
 
@@ -300,7 +305,7 @@ def versions(role: str) -> dict[str, str]:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
             out[dist] = None
-    if role == "ours":
+    if role in ("ours", "process"):
         import genlm_backend
 
         out["backend"] = f"genlm_backend {getattr(genlm_backend, '__version__', '?')} (this repo)"
@@ -339,7 +344,7 @@ def serve(setup: str) -> None:
     smc = SMC(direct_token_sampler(potential))
     out = {"versions": versions(role), "vocab": len(potential.vocab), "times": time_smc(smc, args),
            "profile": [profile_smc(role, smc, potential.model, n, args) for n in args.profile]}
-    if hasattr(potential.model, "stats") and role == "ours":
+    if hasattr(potential.model, "stats") and role in ("ours", "process"):
         out["stats"] = potential.model.stats()
     report(out, default=str)
     if hasattr(potential.model, "cleanup"):
@@ -415,6 +420,11 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
             "ratio": ours["wall"]["median_s"] / floor["median_s"],
             "early_eos_runs": ours["early_eos_runs"],
         }
+        if "process" in results:
+            process = results["process"]["times"][n]["wall"]
+            row.update(process_wall_s=process["median_s"], process_wall_min_s=process["min_s"],
+                       process_wall_max_s=process["max_s"],
+                       process_speedup=ours["wall"]["median_s"] / process["median_s"])
         if "peer" in results:
             peer = results["peer"]["times"][n]
             row.update(
@@ -451,6 +461,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--peer", default=None, help="a folder holding genlm-backend 0.3.1")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="also ours with the engine in a process of its own")
     parser.add_argument("--consumer-site", default=str(REPO / ".cache" / "w6site"),
                         help="a folder holding genlm-control 0.4.1 and its needs (pip --target)")
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="N")
@@ -488,7 +500,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     model_dir, engine_opts, prompt = workload(args)  # W1's model and prompt
     model_dir = with_eos(model_dir, args.eos_token)
-    roles = [r for r in CONFIGS if r != "peer" or args.peer]
+    roles = [r for r in CONFIGS
+             if (r != "peer" or args.peer) and (r != "process" or args.engine_process)]
     results, errors = {}, {}
     for role in roles:
         try:

@@ -50,6 +50,17 @@ def tables(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
             ):
                 s = spread(values)
                 row.update({name: s["median"], f"{name}_min": s["min"], f"{name}_max": s["max"]})
+            if all("process" in r for r in rounds):
+                walls_p = [r["process"][w][key]["wall"]["median_s"] for r in rounds]
+                nosample_p = [r["process"][w][key]["wall_nosample"]["median_s"] for r in rounds]
+                for name, values in (
+                    ("process_wall_s", walls_p),
+                    ("process_ratio_nosample", [s / f for s, f in zip(nosample_p, floors)]),
+                    ("process_speedup", [o / p for o, p in zip(walls, walls_p)]),
+                ):
+                    s = spread(values)
+                    row.update({name: s["median"], f"{name}_min": s["min"],
+                                f"{name}_max": s["max"]})
             if all("peer" in r for r in rounds):
                 peers = [r["peer"][w][key]["wall"]["median_s"] for r in rounds]
                 s = spread([p / o for p, o in zip(peers, walls)])
@@ -70,6 +81,8 @@ def main() -> dict:
     for k in range(known.starts):
         one = {"floor": bench.child_result("floor", model_dir, engine_opts, prompt, rest),
                "ours": bench.child_result("ours", model_dir, engine_opts, prompt, rest)}
+        if args.engine_process:
+            one["process"] = bench.child_result("process", model_dir, engine_opts, prompt, rest)
         if args.peer:
             one["peer"] = bench.child_result("peer", model_dir, engine_opts, prompt, rest,
                                               args.peer)

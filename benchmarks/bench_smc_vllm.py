@@ -307,6 +307,17 @@ def serve(setup: str) -> None:
         report(run_ours(Path(setup["model"]), setup["opts"], setup["prompt"], args, device=True),
                default=str)
         return
+    elif setup["role"] == "process":  # ours, the engine in a process of its own
+        from genlm_backend.llm.vllm import start_engine_process
+
+        lm = start_engine_process(setup["model"], engine_opts=setup["opts"])
+        try:
+            out = {w: time_backend(lm, setup["prompt"], args, w) for w in args.workloads}
+            out["stats"] = lm.stats()
+        finally:
+            lm.cleanup()
+        report(out, default=str)
+        return
     else:
         from genlm.backend.llm import AsyncVirtualLM as PeerLM
 
@@ -360,6 +371,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--peer", default=None, help="a folder holding genlm-backend 0.3.1 (GPU)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="also ours with the engine in a process of its own (starts only)")
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="N")
     parser.add_argument(
         "--name", default=None, help="result file name (default: smc_vllm_<gpu|cpu>)"

@@ -3,7 +3,8 @@
 Here: the contract (:mod:`.base`, with :mod:`.prompts`, :mod:`.validation` and
 :mod:`.adapters`), composed around an engine (:mod:`.engine`: the protocol a backend's
 engine follows, also for backends of your own), :class:`MockAsyncLM`,
-:func:`load_model_by_name` (:mod:`.loading`) and the embedded default model. The backends
+:func:`load_model_by_name` (:mod:`.loading`), the embedded default model, and
+:class:`ProcessEngine` (:mod:`.engine_process`: an engine in a process of its own). The backends
 are packages: :mod:`.vllm` (``AsyncVirtualLM``, with :mod:`.vllm.internals`, the seam to
 vLLM's private parts) and :mod:`.hf` (``AsyncTransformer``). They are imported on first
 use, so importing this package never imports vllm.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import AsyncLM
 from .engine import AdapterEngine, Engine, SamplingEngine, ThreadedEngine
+from .engine_process import ProcessEngine
 from .loading import load_model_by_name
 from .mock import MockAsyncLM
 
@@ -29,6 +31,7 @@ __all__ = [
     "AsyncVirtualLM",
     "Engine",
     "MockAsyncLM",
+    "ProcessEngine",
     "SamplingEngine",
     "ThreadedEngine",
     "load_model_by_name",

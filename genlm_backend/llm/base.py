@@ -243,9 +243,12 @@ class AsyncLM(StepwiseSampling, Adapters):
         self._logprobs_batcher.reset()
 
     def stats(self) -> dict[str, Any]:
-        """Batching counters of the log-probability path, plus output-cache hits."""
+        """Batching counters of the log-probability path, output-cache hits, and the
+        engine's own counters where it has a ``stats()`` method."""
         self._check_open()
-        return {**self._logprobs_batcher.stats.as_dict(), "cache_hits": self.num_cache_hits}
+        engine_stats = getattr(self.engine, "stats", None)
+        return {**self._logprobs_batcher.stats.as_dict(), "cache_hits": self.num_cache_hits,
+                **(engine_stats() if engine_stats is not None else {})}
 
     def cleanup(self) -> None:
         """Fails every waiting request, releases the engine. Idempotent; later use of any

