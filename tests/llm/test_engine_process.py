@@ -239,3 +239,22 @@ def test_the_child_ends_when_the_program_process_dies():
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
+
+
+def test_a_batch_larger_than_the_ring_gets_a_larger_ring_and_exact_rows():
+    """The child's ring holds 2 x 256 rows at first; a batch of 600 makes it take a larger
+    one, and batches after it still come back exact."""
+    reference = MockEngine(V)
+    lm = AsyncLM(None, ProcessEngine(MockEngine, V), batch_size=1000)
+
+    async def run():
+        for size in (10, 600, 10, 700):
+            contexts = [[size, i] for i in range(size)]
+            rows = await asyncio.gather(*[lm.next_token_logprobs(c) for c in contexts])
+            for context, row in zip(contexts, rows):
+                assert torch.equal(row, reference.row(context, None))
+
+    try:
+        asyncio.run(run())
+    finally:
+        lm.cleanup()

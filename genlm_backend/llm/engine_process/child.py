@@ -63,9 +63,11 @@ class Server:
         self.engine = engine
         self.ring_rows = ring_rows
         self.rows: channel.SharedRows | None = None
+        self.retired: list[channel.SharedRows] = []
         # wire id -> request, by the batch that sent it (the last PARENT_BATCHES batches)
         self.known: dict[int, dict[int, LogprobsRequest]] = {}
         self.writer: asyncio.StreamWriter | None = None
+        self.write_lock = asyncio.Lock()
 
     async def serve(self) -> None:
         reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
@@ -120,27 +122,30 @@ class Server:
             return
         errors = [(i, _picklable(r)) for i, r in enumerate(results) if isinstance(r, BaseException)]
         rows = [r for r in results if not isinstance(r, BaseException)]
-        where, inline = None, None
-        if rows:
-            where = await self._write(rows)
-            if where is None:
-                inline = torch.stack([r.float().cpu() for r in rows])
-        self._send(("rows", batch, where, inline, errors))
+        async with self.write_lock:  # rows are written, and replies sent, one batch at a time
+            where, inline = None, None
+            if rows:
+                where = await self._write(rows)
+                if where is None:
+                    inline = torch.stack([r.float().cpu() for r in rows])
+            self._send(("rows", batch, where, inline, errors))
 
     async def _write(self, rows: list[torch.Tensor]) -> tuple[int, int, int] | None:
         """Writes ``rows`` into the ring (made at the first batch, on the rows' device);
         where they are, or None where they do not fit in it."""
         first = rows[0]
-        if self.rows is None:
-            self.rows = channel.SharedRows.create(self.ring_rows, first.shape[-1], first.device)
+        if self.rows is None or not self.rows.fits(len(rows)):
+            if self.rows is not None:  # a larger batch than the ring holds: a larger ring
+                self.retired.append(self.rows)  # the other process may still be copying
+            size = max(self.ring_rows, 2 * len(rows))
+            self.rows = channel.SharedRows.create(size, first.shape[-1], first.device)
             description, fds = self.rows.handle()
             self._send(("rows_ring", description))
             while self.writer.transport.get_write_buffer_size():  # the fds go after it
                 await asyncio.sleep(0.0002)
             socket.send_fds(self.sock, [b"F"], fds)
         ring = self.rows
-        if (not ring.fits(len(rows)) or first.device != ring.rows.device
-                or first.shape[-1] != ring.rows.shape[1]):
+        if first.device != ring.rows.device or first.shape[-1] != ring.rows.shape[1]:
             return None
         claimed = ring.claim(len(rows))
         while claimed is None:  # the program's process is still copying earlier rows

@@ -102,7 +102,25 @@ class ProcessEngine:
         """On the event loop: sends the batch to the child; returns a future of its rows."""
         if self._failure is not None:
             raise self._failed_error()
-        batch = self._batch = self._batch + 1
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        # Numbered and sent in one turn: the child reads the batches in the order numbered.
+        with self._send_lock:
+            batch = self._batch = self._batch + 1
+            items = self._items(requests, batch)
+            with self._state_lock:
+                self._pending[batch] = (loop, future, len(requests))
+            try:
+                channel.send(self._sock, ("batch", batch, items))
+            except OSError:
+                with self._state_lock:
+                    self._pending.pop(batch, None)
+                raise self._failed_error() from None
+        return future
+
+    def _items(self, requests: list[LogprobsRequest], batch: int) -> list[tuple]:
+        """What the child needs of each request: its id and hash, then its parent's id and
+        its last token where the child still knows the parent, else its ids and adapter."""
         oldest = batch - PARENT_BATCHES + 1
         items = []
         for request in requests:
@@ -114,18 +132,7 @@ class ProcessEngine:
             else:
                 items.append((wire_id, request._hash, request.token_ids, request.lora_name))
             request.kept = (wire_id, batch)
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._state_lock:
-            self._pending[batch] = (loop, future, len(requests))
-        try:
-            with self._send_lock:
-                channel.send(self._sock, ("batch", batch, items))
-        except OSError:
-            with self._state_lock:
-                self._pending.pop(batch, None)
-            raise self._failed_error() from None
-        return future
+        return items
 
     def stats(self) -> dict[str, Any]:
         """The engine's own counters (its ``stats()``, asked of the child; blocks for the
@@ -134,12 +141,12 @@ class ProcessEngine:
         child: dict[str, Any] = {}
         if running:
             query: concurrent.futures.Future = concurrent.futures.Future()
-            with self._state_lock:
-                self._next_id += 1
-                key = self._next_id
-                self._queries[key] = query
             try:
                 with self._send_lock:
+                    self._next_id += 1
+                    key = self._next_id
+                    with self._state_lock:
+                        self._queries[key] = query
                     channel.send(self._sock, ("stats", key))
                 child = query.result(timeout=STATS_WAIT_S)
             except (OSError, concurrent.futures.TimeoutError, EngineError, ClosedError):
@@ -175,9 +182,11 @@ class ProcessEngine:
                 kind = message[0]
                 if kind == "rows":
                     self._deliver(*message[1:])
-                elif kind == "rows_ring":
+                elif kind == "rows_ring":  # the first, or a larger one for a larger batch
                     _, description = message
                     fds = self._receive_fds()
+                    if self._rows is not None:
+                        self._rows.close()  # its copies are done: they are synchronous
                     self._rows = channel.SharedRows.open(description, fds)
                 elif kind == "stats":
                     _, key, stats = message
