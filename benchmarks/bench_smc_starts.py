@@ -4,9 +4,10 @@ The same workloads as ``bench_smc_vllm.py`` (read its docstring), but every engi
 alone in a child process of its own, and the three take turns: floor, ours, peer, floor,
 ours, peer, ... (``--starts`` rounds). The spread between engine starts on one machine is
 larger than the spread within one, so a figure here is the median across starts of each
-start's median, with the min and max across starts; ``ratio_nosample`` is taken within each
-start (ours against the floor of the same round). Each start also runs one W1 run at the
-largest N under torch's profiler: ``busy`` is the GPU's kernel time over that run's wall.
+start's median, with the min and max across starts; ``ratio`` (the whole wall) and
+``ratio_nosample`` are taken within each start (ours against the floor of the same round).
+Each start also runs one W1 run at the largest N under torch's profiler: ``busy`` is the GPU's
+kernel time over that run's wall.
 
     python benchmarks/bench_smc_starts.py --starts 3 --gpu --tokenizer-dir .gpu_assets/tekken \\
         --peer /tmp/peer
@@ -49,6 +50,7 @@ def tables(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
             row: dict[str, Any] = {"N": n, "T": args.steps, "starts": len(rounds)}
             for name, values in (
                 ("floor_s", floors), ("wall_s", walls),
+                ("ratio", [s / f for s, f in zip(walls, floors)]),
                 ("ratio_nosample", [s / f for s, f in zip(nosample, floors)]),
             ):
                 s = spread(values)
@@ -56,7 +58,9 @@ def tables(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
             if all("peer" in r for r in rounds):
                 peers = [r["peer"][w][key]["wall"]["median_s"] for r in rounds]
                 s = spread([p / o for p, o in zip(peers, walls)])
-                row.update(peer_wall_s=statistics.median(peers), speedup_vs_peer=s["median"],
+                row.update(peer_wall_s=statistics.median(peers),
+                           peer_ratio=statistics.median(p / f for p, f in zip(peers, floors)),
+                           speedup_vs_peer=s["median"],
                            speedup_vs_peer_min=s["min"], speedup_vs_peer_max=s["max"])
             rows.append(row)
         out[w] = rows
