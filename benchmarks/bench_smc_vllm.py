@@ -25,7 +25,7 @@ child process (it sets vLLM environment variables at import).
 
 Per configuration: one warm-up run, then ``--repeats`` runs, interleaved over N; medians
 with min/max. ``ratio`` = wall / floor; ``ratio_nosample`` = (wall - the user's own
-sampling time in that run) / floor.
+sampling time in that run, from when its rows are ready) / floor.
 
 GPU (the 1.2B bf16 Llama of W1 with the 131k tekken vocabulary; ``prepare_gpu_assets.py``
 first)::
@@ -80,6 +80,8 @@ class UserSampler:
         self.seconds = 0.0
 
     def step(self, rows: list[torch.Tensor], contexts: list[list[int]], t: int) -> list[list[int]]:
+        if rows and rows[0].is_cuda:  # the wait for rows still in the making is the backend's
+            torch.cuda.synchronize(rows[0].device)
         start = time.perf_counter()
         logprobs = torch.stack([r.float() for r in rows])
         if self.workload == "w5":

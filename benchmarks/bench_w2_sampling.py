@@ -50,7 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from benchmarks.common import print_table, summarise, write_json
-from benchmarks.models import GPU_CONFIG, TINY_CONFIG, add_model_args, build_model, parse_opts
+from benchmarks.models import TINY_CONFIG, add_model_args, build_model, parse_opts, workload_model
 
 TARGET_RATIO = 0.95
 VARIANTS = ("batch_sample", "sample")
@@ -69,12 +69,7 @@ def engine_opts_for(args: argparse.Namespace) -> dict[str, Any]:
 
 def model_dir_for(args: argparse.Namespace) -> Path:
     if args.gpu:
-        return build_model(
-            Path(args.model_dir or "/tmp/w1_llama_1b"),
-            args.tokenizer_dir,
-            GPU_CONFIG,
-            torch.bfloat16,
-        )
+        return workload_model(True, args.model_dir, args.tokenizer_dir, size=args.size)[0]
     return build_model(
         Path(args.model_dir or "/tmp/w1_tiny_llama"), args.tokenizer_dir, TINY_CONFIG, torch.float32
     )

@@ -6,6 +6,7 @@ reuses it, so the first run of a configuration pays for building it.
 
 - ``GPU_CONFIG``: a 1.2B Llama in bf16 with Mistral's 131k tekken vocabulary (give
   ``--tokenizer-dir``, made by ``prepare_gpu_assets.py``).
+- ``GPU_8B_CONFIG``: Llama-3.1-8B's shape, likewise in bf16 with tekken (``--gpu --size 8b``).
 - ``TINY_CONFIG``: a small fp32 Llama with Mistral's 32k SentencePiece tokenizer (from
   ``mistral_common``), for CPU runs.
 - ``MICRO_CONFIG``: 256 outputs and one small layer: on a CPU its forward pass costs next to
@@ -25,6 +26,10 @@ import torch
 
 GPU_CONFIG = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
               "num_key_value_heads": 8, "intermediate_size": 8192}
+GPU_8B_CONFIG = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "intermediate_size": 14336}
+# The GPU configurations by ``--size``: the architecture and where its model is built.
+GPU_SIZES = {"1b": (GPU_CONFIG, "/tmp/w1_llama_1b"), "8b": (GPU_8B_CONFIG, "/tmp/w1_llama_8b")}
 TINY_CONFIG = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
                "num_key_value_heads": 1, "intermediate_size": 256}
 MICRO_CONFIG = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -71,21 +76,25 @@ def build_model(out: Path, tokenizer_dir: Path | None, arch: dict, dtype: torch.
     )
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the weights are made in ``dtype``, never in fp32 first
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.save_pretrained(str(out))
     del model
     return out
 
 
 def workload_model(gpu: bool, model_dir: str | None = None, tokenizer_dir: Path | None = None,
-                   micro: bool = False) -> tuple[Path, dict[str, Any]]:
-    """The model folder (built if missing) and engine options of a configuration: the GPU
-    one, the tiny CPU one, or the micro CPU one."""
+                   micro: bool = False, size: str = "1b") -> tuple[Path, dict[str, Any]]:
+    """The model folder (built if missing) and engine options of a configuration: a GPU
+    one (by ``size``), the tiny CPU one, or the micro CPU one."""
     if gpu:
-        folder = build_model(
-            Path(model_dir or "/tmp/w1_llama_1b"), tokenizer_dir, GPU_CONFIG, torch.bfloat16
-        )
+        arch, default = GPU_SIZES[size]
+        folder = build_model(Path(model_dir or default), tokenizer_dir, arch, torch.bfloat16)
         return folder, dict(GPU_ENGINE_OPTS)
     arch, default = (
         (MICRO_CONFIG, "/tmp/w1_micro_llama") if micro else (TINY_CONFIG, "/tmp/w1_tiny_llama")
@@ -98,7 +107,11 @@ def workload_model(gpu: bool, model_dir: str | None = None, tokenizer_dir: Path 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The flags that choose a workload's model (read by :func:`workload`)."""
     parser.add_argument(
-        "--gpu", action="store_true", help="the 1.2B bf16 Llama with tekken (131k) on CUDA"
+        "--gpu", action="store_true", help="a bf16 Llama with tekken (131k) on CUDA"
+    )
+    parser.add_argument(
+        "--size", choices=sorted(GPU_SIZES), default="1b",
+        help="the GPU model: 1.2B, or Llama-3.1-8B's shape",
     )
     parser.add_argument(
         "--tokenizer-dir", type=Path, default=None, help="HF tokenizer folder (GPU: tekken)"
@@ -127,11 +140,12 @@ def vocab_size(model_dir: Path) -> int:
 def workload(
     args: argparse.Namespace, micro: bool = False
 ) -> tuple[Path, dict[str, Any], list[int]]:
-    """What a W1-shaped script runs on, from its flags (``gpu``, ``model_dir``,
+    """What a W1-shaped script runs on, from its flags (``gpu``, ``size``, ``model_dir``,
     ``tokenizer_dir``, ``engine_opt``, ``seed``, ``prompt_len``): the model folder, the
     engine options with ``--engine-opt`` applied, and W1's prompt (seeded random ids above
     the tokenizer's special tokens)."""
-    model_dir, opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir, micro=micro)
+    model_dir, opts = workload_model(args.gpu, args.model_dir, args.tokenizer_dir, micro=micro,
+                                     size=args.size)
     opts.update(parse_opts(args.engine_opt))
     rng, vocab = random.Random(args.seed), vocab_size(model_dir)
     return (

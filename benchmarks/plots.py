@@ -71,6 +71,28 @@ def draw_w1_vllm(payload: dict[str, Any]) -> Any:
     return fig
 
 
+def draw_smc_starts(payload: dict[str, Any]) -> Any:
+    """W1 and W5 over engine starts (``bench_smc_starts``): time / floor against N, medians
+    across starts with their min and max."""
+    tables = payload["tables"]
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4), squeeze=False)
+    for ax, (workload, rows) in zip(axes[0], tables.items()):
+        ns = [r["N"] for r in rows]
+        for key, label, style in (("ratio", "AsyncVirtualLM", "-"),
+                                  ("ratio_nosample", "less the user's sampling", "--")):
+            median = [r[key] for r in rows]
+            low, high = [r[f"{key}_min"] for r in rows], [r[f"{key}_max"] for r in rows]
+            ax.errorbar(ns, median, yerr=_errors(median, low, high), marker="o", capsize=3,
+                        linestyle=style, label=label)
+        if "peer_wall_s" in rows[0]:
+            ax.plot(ns, [r["peer_ratio"] for r in rows], marker="s",
+                    linestyle=":", label="genlm-backend 0.3.1")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{workload.upper()}: N x T={rows[0]['T']}, {rows[0]['starts']} starts")
+        _ratio_axes(ax, "particles N", "time / llm.generate (lower is better)")
+    return fig
+
+
 def draw_heartbeat(payload: dict[str, Any]) -> Any:
     """The heartbeat's worst and 99th-percentile lateness per soak, the idle one first."""
     rows = payload["rows"]
@@ -272,6 +294,7 @@ def draw_memory(payload: dict[str, Any]) -> Any:
 
 DRAWERS = {
     "w1-vllm": draw_w1_vllm,
+    "smc-starts": draw_smc_starts,
     "w1-hf": draw_w1_hf,
     "w2": draw_w2,
     "w3": draw_w3,
