@@ -87,7 +87,7 @@ class SharedRows:
     when a batch does not fit before the end; positions count slots taken (skipped ones too)
     since the start. The reader sets the shared counter to the position up to which it has
     copied, after each batch's copy is complete; the writer takes slots only below that
-    position plus ``num_slots``.
+    position plus ``num_slots``, and starts again at slot 0 whenever every row is copied.
     """
 
     def __init__(self, rows: torch.Tensor, memory: mmap.mmap, fd: int):
@@ -143,6 +143,8 @@ class SharedRows:
         num_slots = self.rows.shape[0]
         if count > num_slots:
             return None
+        if self._position == int(self._copied[0]):  # every row copied: start again at 0
+            self._cursor = 0
         start = 0 if self._cursor + count > num_slots else self._cursor
         end = self._position + (num_slots - self._cursor if start == 0 and self._cursor else 0)
         end += count
