@@ -50,7 +50,8 @@ class ProcessEngine:
         build: a function, importable by its module and name in a new process (defined at
             the top level of a module), that returns the engine: e.g.
             :func:`genlm_backend.llm.vllm.engine_process.vllm_engine`.
-        *args, **kwargs: its arguments (picklable).
+        *args: its positional arguments (picklable).
+        **kwargs: its keyword arguments (picklable).
 
     Raises:
         EngineError: the child could not build the engine (``__cause__``: its error, where

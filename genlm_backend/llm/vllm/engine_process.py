@@ -36,7 +36,9 @@ def start_engine_process(
         model_name: a local model folder (or a hub id where the hub can be reached).
         engine_opts: keyword arguments of ``vllm.LLM``, as for
             :meth:`.AsyncVirtualLM.from_name` (same defaults).
-        sessions, session_idle_batches, session_hold_s: as for :class:`.AsyncVirtualLM`.
+        sessions: as for :class:`.AsyncVirtualLM`.
+        session_idle_batches: as for :class:`.AsyncVirtualLM`.
+        session_hold_s: as for :class:`.AsyncVirtualLM`.
         tokenizer: the Hugging Face tokenizer (default: loaded from ``engine_opts["tokenizer"]``
             or ``model_name``).
         **kwargs: :class:`~genlm_backend.llm.AsyncLM`'s ``batch_size`` (default: the
