@@ -70,6 +70,7 @@ class ProcessEngine:
         self._process = subprocess.Popen(
             [sys.executable, "-c", _CHILD_MAIN, str(child_sock.fileno())],
             pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C at the terminal reaches the program, not it
         )
         child_sock.close()
         self.pid = self._process.pid
