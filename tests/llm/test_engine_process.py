@@ -258,3 +258,15 @@ def test_a_batch_larger_than_the_ring_gets_a_larger_ring_and_exact_rows():
         asyncio.run(run())
     finally:
         lm.cleanup()
+
+
+def test_a_build_function_the_child_cannot_import_is_refused_before_any_process_starts():
+    def local_build():  # inside a function: no name to import it by
+        return MockEngine(V)
+
+    before = engine_children()
+    with pytest.raises(TypeError, match="top level of a module"):
+        ProcessEngine(local_build)
+    with pytest.raises(TypeError, match="cannot be sent"):
+        ProcessEngine(MockEngine, lambda: V)
+    assert engine_children() == before

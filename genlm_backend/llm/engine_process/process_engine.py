@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -54,6 +55,8 @@ class ProcessEngine:
         **kwargs: its keyword arguments (picklable).
 
     Raises:
+        TypeError: ``build`` cannot be imported by name in another process (defined in the
+            main script or inside a function), or its arguments cannot be pickled.
         EngineError: the child could not build the engine (``__cause__``: its error, where
             it could be sent).
 
@@ -64,6 +67,7 @@ class ProcessEngine:
     """
 
     def __init__(self, build: Callable[..., Any], *args: Any, **kwargs: Any):
+        spec = _build_spec(build, args, kwargs)  # checked before any process starts
         self._sock, child_sock = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -83,12 +87,16 @@ class ProcessEngine:
         self._batch = 0
         self._next_id = 0
         try:
-            channel.send(self._sock, (build.__module__, build.__qualname__, args, kwargs))
+            channel.send(self._sock, spec)
             hello = channel.receive(self._sock)
         except (OSError, EOFError) as exc:
             self._stop_child(0.0)
             raise EngineError(f"the engine process exited while starting (code "
                               f"{self._process.poll()})") from exc
+        except BaseException:  # interrupted while the engine starts: it is not wanted
+            self._process.kill()
+            self._stop_child(CLOSE_WAIT_S)
+            raise
         if hello[0] == "failed":
             self._stop_child(CLOSE_WAIT_S)
             raise EngineError(f"the engine process could not build the engine: {hello[2]}") \
@@ -268,6 +276,23 @@ class ProcessEngine:
         if self._rows is not None:
             self._rows.close()
             self._rows = None
+
+
+def _build_spec(build: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
+    """What the child needs to call ``build(*args, **kwargs)``; raises where it could not."""
+    module, name = getattr(build, "__module__", None), getattr(build, "__qualname__", "")
+    if not module or module == "__main__" or "<" in name:
+        raise TypeError(
+            f"ProcessEngine needs a build function the engine process can import by name, "
+            f"defined at the top level of a module other than the main script; got {build!r}"
+        )
+    spec = (module, name, args, kwargs)
+    try:
+        pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"the arguments of {name} cannot be sent to the engine process: "
+                        f"{exc}") from exc
+    return spec
 
 
 def _resolve_on(loop: asyncio.AbstractEventLoop, future: asyncio.Future, results: Any,
