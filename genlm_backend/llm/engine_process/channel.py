@@ -79,6 +79,12 @@ def _anonymous_file(size: int) -> int:
     return fd
 
 
+def _rows_in(memory: mmap.mmap, num_slots: int, width: int) -> torch.Tensor:
+    """The rows of a CPU ring: its shared memory after the control block."""
+    return torch.frombuffer(memory, dtype=torch.float32, offset=_CONTROL_BYTES,
+                            count=num_slots * width).view(num_slots, width)
+
+
 class SharedRows:
     """A ring of ``num_slots`` fp32 rows of ``width`` values, written by the engine process
     and copied out by the program's process.
@@ -106,8 +112,7 @@ class SharedRows:
         fd = _anonymous_file(size)
         memory = mmap.mmap(fd, size)
         if on_cpu:
-            rows = torch.frombuffer(memory, dtype=torch.float32, offset=_CONTROL_BYTES,
-                                    count=num_slots * width).view(num_slots, width)
+            rows = _rows_in(memory, num_slots, width)
         else:
             rows = torch.empty((num_slots, width), dtype=torch.float32, device=device)
         return cls(rows, memory, fd)
@@ -130,8 +135,7 @@ class SharedRows:
         size = _CONTROL_BYTES + (num_slots * width * 4 if kind == "cpu" else 0)
         memory = mmap.mmap(fd, size)
         if kind == "cpu":
-            rows = torch.frombuffer(memory, dtype=torch.float32, offset=_CONTROL_BYTES,
-                                    count=num_slots * width).view(num_slots, width)
+            rows = _rows_in(memory, num_slots, width)
         else:
             rebuild, args = cuda
             rows = rebuild(*args)

@@ -12,12 +12,9 @@ from typing import Any
 
 from ..base import AsyncLM
 from ..engine_process import ProcessEngine
+from .virtual_lm import DEFAULT_BATCH_SIZE
 
 __all__ = ["start_engine_process", "vllm_engine"]
-
-# The least a log-probability batch may hold where ``batch_size`` is not given (as for
-# AsyncVirtualLM).
-DEFAULT_BATCH_SIZE = 20
 
 
 def start_engine_process(
@@ -79,21 +76,15 @@ def vllm_engine(
 ) -> Any:
     """Starts the ``vllm.LLM`` and its :class:`.vllm_engine.VLLMEngine` in this process (the
     child's side of :func:`start_engine_process`)."""
-    from . import internals
-    from .runner import ENGINE_LOCK
-    from .virtual_lm import SAMPLE_BATCH_SIZE, start_llm
+    from .virtual_lm import SAMPLE_BATCH_SIZE, shut_down_on_failure, start_llm
     from .vllm_engine import VLLMEngine
 
     llm, can_capture = start_llm(model_name, engine_opts)
-    try:
+    with shut_down_on_failure(llm):
         engine = VLLMEngine(
             llm, sample_batch_size=SAMPLE_BATCH_SIZE, timeout=0.02, flush="idle",
             can_capture=can_capture, session_idle_batches=session_idle_batches,
             session_hold_s=session_hold_s,
         )
-    except BaseException:
-        with ENGINE_LOCK:
-            internals.shutdown(llm)
-        raise
     engine.set_sessions(sessions)
     return engine

@@ -9,7 +9,8 @@ vllm is imported when an engine is first built or wrapped, not when the class is
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from . import internals, startup
 from .runner import ENGINE_LOCK
 from .vllm_engine import VLLMEngine
 
-__all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS", "start_llm"]
+__all__ = ["AsyncVirtualLM", "DEFAULT_ENGINE_OPTS", "shut_down_on_failure", "start_llm"]
 
 DEFAULT_ENGINE_OPTS = {
     "enable_prefix_caching": True,
@@ -62,6 +63,17 @@ def start_llm(model_name: str, engine_opts: dict | None) -> tuple[Any, bool]:
         opts.setdefault("max_logprobs", -1)
     with ENGINE_LOCK:  # building runs the model, as a step does
         return startup.start_engine(model_name, opts, chosen, can_capture), can_capture
+
+
+@contextlib.contextmanager
+def shut_down_on_failure(llm: Any) -> Iterator[None]:
+    """Shuts ``llm`` (started just before) down where the block raises, then re-raises."""
+    try:
+        yield
+    except BaseException:
+        with ENGINE_LOCK:
+            internals.shutdown(llm)  # the engine started here stops with the failure
+        raise
 
 
 class AsyncVirtualLM(AsyncLM):
@@ -186,12 +198,8 @@ class AsyncVirtualLM(AsyncLM):
                 the available memory (before any engine starts); a constructor argument.
         """
         llm, can_capture = start_llm(model_name, engine_opts)
-        try:
+        with shut_down_on_failure(llm):
             return cls(llm, can_capture=can_capture, **kwargs)
-        except BaseException:
-            with ENGINE_LOCK:
-                internals.shutdown(llm)  # the engine started here stops with the failure
-            raise
 
     # ---- what the vLLM backend adds -----------------------------------------------------
 
