@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import torch
 
@@ -68,8 +67,3 @@ def pid_engine():
                     for _ in requests]
 
     return PidEngine()
-
-
-def slow_start_engine(seconds: float):
-    time.sleep(seconds)
-    return pid_engine()

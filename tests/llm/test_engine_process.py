@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -53,16 +52,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-@pytest.fixture
-def fresh_tmp(tmp_path, monkeypatch):
-    """An empty temporary directory that this process and its children use."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 def test_rows_from_the_child_equal_the_engine_run_here():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import tempfile
 import time
 
 import pytest
@@ -59,13 +58,9 @@ def test_rows_from_the_engine_process_match_a_plain_forward_pass(process_lm, hf_
 
 
 def test_cleanup_while_a_session_step_is_held_stops_the_engine_process(
-        tiny_model_dirs, tmp_path, monkeypatch):
+        tiny_model_dirs, fresh_tmp):
     from genlm_backend.llm.vllm import start_engine_process
 
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
     before = set(engine_children())
     lm = start_engine_process(str(tiny_model_dirs["base"]), engine_opts=dict(OPTS),
                               session_hold_s=30.0)
@@ -87,4 +82,4 @@ def test_cleanup_while_a_session_step_is_held_stops_the_engine_process(
     asyncio.run(run())
     assert not alive(pid)
     assert set(engine_children()) <= before
-    assert list(folder.iterdir()) == []
+    assert list(fresh_tmp.iterdir()) == []
